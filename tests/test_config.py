@@ -1,0 +1,101 @@
+"""The config schema: defaults, YAML, overrides, and one-line errors that name the fix."""
+
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import Config, config_from_dict, load_config
+from trainer.errors import ConfigError
+
+
+def test_defaults_validate():
+    config = load_config()
+    assert isinstance(config, Config)
+    assert config.optim.lr > 0 and config.mesh.data == -1
+
+
+def test_override_types_are_converted():
+    config = load_config(None, ["optim.lr=1e-3", "checkpoint.async=false", "run.steps=7"])
+    assert config.optim.lr == pytest.approx(1e-3)
+    assert config.checkpoint.async_ is False
+    assert config.run.steps == 7
+
+
+def test_yaml_round_trip(tmp_path, repo_root):
+    config = load_config(repo_root / "configs/demo.yaml", ["model.d_model=128"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.to_yaml())
+    assert load_config(saved) == config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["optim.lrr=1"], "unknown key optim.lrr; did you mean optim.lr?"),
+        (["optim.lr=abc"], "optim.lr: Input should be a valid number"),
+        (["optim.lr=-1"], "optim.lr: Input should be greater than 0"),
+        (["data.packing=zip"], "data.packing: Input should be 'concat' or 'first_fit'"),
+        (["modle.d_model=3"], "unknown key modle; did you mean model?"),
+        (["model.d_model=100", "model.num_heads=3"], "model.d_model=100 is not divisible"),
+        (["model.num_heads=4", "model.num_kv_heads=3"], "not a multiple of model.num_kv_heads"),
+        (["mesh.data=-1", "mesh.fsdp=-1"], "only one axis may fill the rest"),
+        (["optim.accum_steps=3"], "not divisible by optim.accum_steps=3"),
+        (["optim.lr"], "is not section.key=value"),
+        (["run.steps.x=1"], "run.steps"),
+    ],
+)
+def test_user_errors_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_saved_config_revalidates():
+    tree = load_config(None, ["optim.lr=0.01"]).to_dict()
+    assert config_from_dict(tree).optim.lr == 0.01
+
+
+def test_cli_exits_2_without_traceback(repo_root):
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "configs/demo.yaml", "optim.lrr=1"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "unknown key optim.lrr; did you mean optim.lr?" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_print_config(repo_root):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            "--config",
+            "configs/demo.yaml",
+            "--print-config",
+            "data.seq_len=128",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "seq_len: 128" in proc.stdout

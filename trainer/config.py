@@ -1,0 +1,255 @@
+"""The typed config schema: defaults live here; YAML files and `section.key=value` overrides only
+change them. Every user mistake becomes a one-line `ConfigError` that names the key and the fix."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.errors import ConfigError
+
+
+class _Section(BaseModel):
+    """Strict section: unknown keys are errors, assignments are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    workdir: str = "workdirs/run"
+    seed: int = 0
+    steps: int = Field(1000, ge=1)
+
+
+class DataConfig(_Section):
+    path: str = "python-stdlib"
+    cache_dir: str | None = None
+    seq_len: int = Field(256, ge=2)
+    global_batch_size: int = Field(32, ge=1)
+    packing: Literal["concat", "first_fit"] = "concat"
+    shuffle: bool = True
+    read_threads: int = Field(4, ge=1)
+    workers: int = Field(0, ge=0)
+    prefetch: int = Field(2, ge=1)
+
+
+class ModelConfig(_Section):
+    kind: str = "transformer"
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1)
+    d_model: int = Field(256, ge=1)
+    d_ff: int = Field(1024, ge=1)
+    vocab_size: int | None = Field(None, ge=2)
+    max_seq_len: int | None = Field(None, ge=2)
+    rope_theta: float = Field(10000.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_embeddings: bool = False
+    remat: Literal["none", "full", "save_dots"] = "none"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                f"{self.num_heads}; pick d_model as a multiple of num_heads"
+            )
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={kv}; "
+                "use a divisor of num_heads"
+            )
+        return self
+
+
+class MeshConfig(_Section):
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: dict[str, str | list[str] | None] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_fill_axis(self) -> MeshConfig:
+        sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+        bad = [k for k, v in sizes.items() if v == 0 or v < -1]
+        if bad:
+            raise ValueError(
+                f"{bad[0]}={sizes[bad[0]]} is not a mesh size; use a positive size or -1"
+            )
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ValueError("more than one mesh axis is -1; only one axis may fill the rest")
+        return self
+
+
+class PrecisionConfig(_Section):
+    compute: Literal["bfloat16", "float32"] = "bfloat16"
+    params: Literal["float32", "bfloat16"] = "float32"
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(100, ge=0)
+    decay_steps: int | None = Field(None, ge=1)
+    weight_decay: float = Field(0.1, ge=0)
+    clip_norm: float | None = Field(1.0, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    accum_steps: int = Field(1, ge=1)
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(500, ge=1)
+    keep: int = Field(3, ge=1)
+    async_: bool = Field(True, alias="async")
+
+
+class LogConfig(_Section):
+    every: int = Field(10, ge=1)
+    tensorboard: bool = True
+    progress: bool = True
+
+
+class EvalConfig(_Section):
+    every: int = Field(200, ge=1)
+    steps: int = Field(20, ge=1)
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Config:
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(
+                f"optim.min_lr={self.optim.min_lr} is above optim.lr={self.optim.lr}; "
+                "set min_lr <= lr"
+            )
+        if self.data.global_batch_size % self.optim.accum_steps:
+            raise ValueError(
+                f"data.global_batch_size={self.data.global_batch_size} is not divisible by "
+                f"optim.accum_steps={self.optim.accum_steps}; pick a divisor"
+            )
+        max_len = self.model.max_seq_len
+        if max_len is not None and self.data.seq_len > max_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is longer than model.max_seq_len={max_len}; "
+                "lower data.seq_len or raise model.max_seq_len"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict with the YAML spelling of every key (e.g. `checkpoint.async`)."""
+        return self.model_dump(by_alias=True, mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- `section.key=value` overrides, validated as one tree."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        tree = _read_yaml(Path(path))
+    for override in overrides or []:
+        _apply_override(tree, override)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Validate a nested dict (e.g. a saved `config.yaml`) into a `Config`."""
+    try:
+        return Config.model_validate(tree)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass --config configs/<name>.yaml")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML; fix the syntax") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections, e.g. `run: {{...}}`"
+        )
+    return tree
+
+
+def _apply_override(tree: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} is not section.key=value; e.g. optim.lr=1e-3")
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def _valid_keys(section: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in section.model_fields.items()]
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    """Schema class that owns the key at `loc` (None for free-form dict fields)."""
+    section: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        section = annotation
+    return section
+
+
+def _describe(err: pydantic.ValidationError) -> str:
+    """One line for the first problem: the dotted key, what is wrong, and the fix."""
+    first = err.errors()[0]
+    loc = tuple(str(p) for p in first["loc"])
+    key = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        section = _section_at(loc)
+        valid = _valid_keys(section) if section else []
+        prefix = ".".join(loc[:-1])
+        dotted = [f"{prefix}.{v}" if prefix else v for v in valid]
+        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        if close:
+            hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+        else:
+            hint = "valid keys: " + ", ".join(dotted)
+        return f"unknown key {key}; {hint}"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "value_error":  # our own validators already name their keys
+        return message
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{key}: {message}{shown}"

@@ -1,0 +1,56 @@
+"""CLI: `python -m trainer.main --config configs/demo.yaml [key=value ...] [--print-config]`.
+
+Parses, initializes the distributed runtime, and calls `trainer.train.run`. User errors (config,
+data, checkpoint mismatch) print one line and exit 2; everything else is a real bug and raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from input_pipeline.errors import DataError  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.errors import ConfigError, TrainingError  # noqa: E402
+
+USAGE_EXIT = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.main",
+        description="Train a model from a YAML config; overrides are section.key=value.",
+    )
+    parser.add_argument("--config", default="configs/demo.yaml", help="YAML config file")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(config.to_yaml(), end="")
+            return 0
+        from trainer.distributed import maybe_initialize
+        from trainer.train import run  # heavy imports only when training
+
+        maybe_initialize()  # before any other JAX call
+        result = run(config)
+    except (ConfigError, DataError, TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return USAGE_EXIT
+    summary = f"finished at step {result.step}"
+    if result.eval_loss is not None:
+        summary += f"; eval_loss={result.eval_loss:.4f}"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Where metrics go: `<workdir>/metrics.jsonl`, TensorBoard `<workdir>/tb/`, and the console
+(a tqdm progress bar on a terminal, plain periodic lines otherwise). Only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+def _jsonable(value: Any) -> Any:
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep the line parseable
+    return value
+
+
+class MetricsWriter:
+    """One object per run; `write(step, metrics)` sends a metrics line to every sink."""
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+    ):
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # no TensorFlow import needed
+
+            self._tb = SummaryWriter(str(workdir / "tb"))
+        if progress and self.stream.isatty():
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                file=self.stream,
+                dynamic_ncols=True,
+            )
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+        self._console(step, row)
+
+    def _console(self, step: int, row: dict[str, Any]) -> None:
+        shown = {k: row[k] for k in ("loss", "eval_loss", "tokens_per_s", "lr") if k in row}
+        text = " ".join(f"{k}={_short(v)}" for k, v in shown.items())
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            if "loss" in row:
+                self._bar.set_postfix_str(text, refresh=True)
+            else:
+                self._bar.write(f"step {step}: {text}")
+        else:
+            print(f"step {step}: {text}", file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        """A log line that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+    return str(value)

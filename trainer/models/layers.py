@@ -1,0 +1,106 @@
+"""Building blocks of the built-in transformer; each names its parameter axes logically."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+if TYPE_CHECKING:
+    from trainer.models.transformer import TransformerSpec
+
+
+def partitioned(init, logical_axes: tuple[str, ...]):
+    """Attach logical axis names to an initializer (mapped to mesh axes by `trainer.sharding`)."""
+    return nnx.with_partitioning(init, logical_axes)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 (the mean of squares underflows in bf16), cast back."""
+
+    def __init__(self, dim: int, param_dtype, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x_BxLxHxD: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) at each token's in-document position."""
+    half = x_BxLxHxD.shape[-1] // 2
+    freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_BxLxF = positions_BxL[..., None].astype(jnp.float32) * freqs_F
+    sin, cos = jnp.sin(angles_BxLxF)[:, :, None, :], jnp.cos(angles_BxLxF)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxLxHxD.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxD.dtype)
+
+
+def packed_causal_mask(segment_ids_BxL: jax.Array) -> jax.Array:
+    """Causal mask that also stops attention at document boundaries inside a packed row."""
+    length = segment_ids_BxL.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+    same_doc_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    return (causal_LxL[None] & same_doc_BxLxL)[:, None]  # [B, 1, L, L], broadcast over heads
+
+
+def _dense(d_in: int, d_out: int, axes: tuple[str, str], spec: TransformerSpec, rngs: nnx.Rngs):
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=spec.compute_dtype,
+        param_dtype=spec.param_dtype,
+        kernel_init=partitioned(nnx.initializers.lecun_normal(), axes),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention: `num_kv_heads` key/value heads shared by groups of queries."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.rope_theta = spec.head_dim, spec.rope_theta
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q = _dense(spec.d_model, q_dim, ("embed", "heads"), spec, rngs)
+        self.k = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
+        self.v = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
+        self.out = _dense(q_dim, spec.d_model, ("heads", "embed"), spec, rngs)
+
+    def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+        B, L, _ = x_BxLxD.shape
+        q_BxLxHxK = self.q(x_BxLxD).reshape(B, L, self.num_heads, self.head_dim)
+        k_BxLxGxK = self.k(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
+        v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
+        q_BxLxHxK = rotary(q_BxLxHxK, positions_BxL, self.rope_theta)
+        k_BxLxGxK = rotary(k_BxLxGxK, positions_BxL, self.rope_theta)
+        # XLA on CPU; on GPU, jax picks cuDNN flash attention when dtype and shapes allow.
+        out_BxLxHxK = jax.nn.dot_product_attention(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=packed_causal_mask(segment_ids_BxL)
+        )
+        return self.out(out_BxLxHxK.reshape(B, L, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nnx.Module):
+    """MLP with a SiLU-gated linear unit: column-parallel gate/up, row-parallel down."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.gate = _dense(spec.d_model, spec.d_ff, ("embed", "mlp"), spec, rngs)
+        self.up = _dense(spec.d_model, spec.d_ff, ("embed", "mlp"), spec, rngs)
+        self.down = _dense(spec.d_ff, spec.d_model, ("mlp", "embed"), spec, rngs)
+
+    def __call__(self, x_BxLxD):
+        return self.down(nnx.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))

@@ -1,0 +1,130 @@
+"""A modern decoder-only transformer in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query
+attention through `jax.nn.dot_product_attention` (cuDNN flash on GPU, XLA on CPU), layers stacked
+under one `scan` so compile time does not grow with depth.
+
+Every parameter names its axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`, `layers`,
+`norm`); `trainer.sharding` maps those names to mesh axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.models.layers import Attention, RMSNorm, SwiGLU, dropout, partitioned
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """Shape and numerics of the built-in model (filled from `ModelConfig` by the registry)."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    d_model: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    remat: str = "none"
+    compute_dtype: jnp.dtype = jnp.bfloat16
+    param_dtype: jnp.dtype = jnp.float32
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.attn = Attention(spec, rngs=rngs)
+        self.mlp_norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.mlp = SwiGLU(spec, rngs=rngs)
+        self.dropout_rate = spec.dropout
+
+    def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, dropout_key=None):
+        keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
+        h = self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+        x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[0])
+        h = self.mlp(self.mlp_norm(x_BxLxD))
+        return x_BxLxD + dropout(h, self.dropout_rate, keys[1])
+
+
+class Transformer(nnx.Module):
+    """Maps a batch dict (`inputs`, `segment_ids`, `positions`) to float32 logits `[B, L, V]`."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        self.embed = nnx.Embed(
+            spec.vocab_size,
+            spec.d_model,
+            dtype=spec.compute_dtype,
+            param_dtype=spec.param_dtype,
+            embedding_init=partitioned(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            rngs=rngs,
+        )
+
+        @nnx.split_rngs(splits=spec.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_stack(rngs: nnx.Rngs) -> Block:
+            return Block(spec, rngs=rngs)
+
+        self.blocks = make_stack(rngs)
+        self.final_norm = RMSNorm(spec.d_model, spec.param_dtype)
+        if not spec.tie_embeddings:
+            self.lm_head = nnx.Linear(
+                spec.d_model,
+                spec.vocab_size,
+                use_bias=False,
+                dtype=spec.compute_dtype,
+                param_dtype=spec.param_dtype,
+                kernel_init=partitioned(nnx.initializers.lecun_normal(), ("embed", "vocab")),
+                rngs=rngs,
+            )
+        # Dropout needs fresh randomness each step: keep an RNG stream in the model state.
+        self.dropout_rngs = nnx.Rngs(dropout=rngs.params()) if spec.dropout > 0 else None
+
+    def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
+        inputs_BxL = batch["inputs"]
+        segment_ids_BxL = batch.get("segment_ids", jnp.ones_like(inputs_BxL))
+        positions_BxL = batch.get("positions")
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]), inputs_BxL.shape)
+        x_BxLxD = self.embed(inputs_BxL)
+        x_BxLxD = self._run_blocks(x_BxLxD, segment_ids_BxL, positions_BxL)
+        x_BxLxD = self.final_norm(x_BxLxD)
+        if self.spec.tie_embeddings:
+            logits_BxLxV = self.embed.attend(x_BxLxD)
+        else:
+            logits_BxLxV = self.lm_head(x_BxLxD)
+        return logits_BxLxV.astype(jnp.float32)  # fp32 softmax/loss: bf16 loses small probs
+
+    def _run_blocks(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+        """One scan over the stacked layers: the step compiles one block, whatever the depth."""
+        graphdef, stacked = nnx.split(self.blocks)
+        layer_keys = None
+        if self.dropout_rngs is not None:
+            layer_keys = jax.random.split(self.dropout_rngs.dropout(), self.spec.num_layers)
+
+        def body(x, layer):
+            state, key = layer
+            block = nnx.merge(graphdef, state)
+            return block(x, segment_ids_BxL, positions_BxL, key), None
+
+        policy = _REMAT_POLICIES.get(self.spec.remat)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, layer_keys))
+        return x_BxLxD

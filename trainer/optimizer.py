@@ -1,0 +1,61 @@
+"""AdamW with linear warmup, a decay schedule, and global-norm clipping, built from `optim.*`."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import PartitionSpec
+
+from trainer.config import OptimConfig
+
+
+def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Warmup from 0 to `lr`, then cosine/linear decay to `min_lr` over `decay_steps`."""
+    decay_steps = config.decay_steps or total_steps
+    warmup = min(config.warmup_steps, max(decay_steps - 1, 0))
+    if config.schedule == "constant":
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, config.lr, max(warmup, 1)),
+                optax.constant_schedule(config.lr),
+            ],
+            [warmup],
+        )
+    if config.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, config.lr, warmup, max(decay_steps, warmup + 1), end_value=config.min_lr
+        )
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, config.lr, max(warmup, 1)),
+            optax.linear_schedule(config.lr, config.min_lr, max(decay_steps - warmup, 1)),
+        ],
+        [warmup],
+    )
+
+
+def decay_mask(logical_specs) -> object:
+    """Weight decay on matrices only: norm scales and biases (one non-layer axis) are exempt."""
+
+    def is_matrix(spec: PartitionSpec) -> bool:
+        return sum(axis != "layers" for axis in spec) >= 2
+
+    return jax.tree.map(is_matrix, logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def make_optimizer(
+    config: OptimConfig, total_steps: int, mask=None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(config, total_steps)
+    parts = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
+    parts.append(
+        optax.adamw(
+            schedule,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=mask,
+        )
+    )
+    return optax.chain(*parts), schedule

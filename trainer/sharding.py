@@ -1,0 +1,129 @@
+"""The device mesh and the one rules table that maps logical axis names to mesh axes.
+
+Layers name their parameter axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`, `layers`);
+which mesh axis shards each name is data (`mesh.rules` in the config), never code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from trainer.config import MeshConfig
+from trainer.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# FSDP shards every weight along its model-width axis; tensor parallelism splits attention heads
+# and the MLP hidden axis (column-parallel in, row-parallel out). Unlisted names are replicated.
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv": None,
+    "vocab": "tensor",
+    "layers": None,
+    "norm": None,
+}
+
+
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """Resolve the one -1 axis and check the product matches the devices, naming the fix."""
+    sizes = {"data": config.data, "fsdp": config.fsdp, "tensor": config.tensor}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    fill = [k for k, v in sizes.items() if v == -1]
+    if fill:
+        if num_devices % fixed:
+            divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+            raise ConfigError(
+                f"mesh sizes {_fmt(sizes)} do not divide {num_devices} devices; "
+                f"use sizes whose product divides {num_devices} (divisors: {divisors})"
+            )
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            f"mesh {_fmt(sizes)} needs {fixed} devices but {num_devices} are present; "
+            "make mesh.data*mesh.fsdp*mesh.tensor equal the device count, or set one axis to -1"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _fmt(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"mesh.{k}={v}" for k, v in sizes.items())
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes, so GSPMD annotations propagate."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_shape(config, len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def resolve_rules(overrides: Mapping[str, object] | None = None) -> dict[str, object]:
+    """Default rules updated by the config's `mesh.rules`; mesh axes are checked by name."""
+    rules: dict[str, object] = dict(DEFAULT_RULES)
+    for name, target in (overrides or {}).items():
+        targets = [target] if isinstance(target, str) else list(target or [])
+        unknown = [t for t in targets if t not in MESH_AXES]
+        if unknown:
+            raise ConfigError(
+                f"mesh.rules.{name}: {unknown[0]!r} is not a mesh axis; use one of {MESH_AXES}"
+            )
+        rules[name] = tuple(targets) if len(targets) > 1 else (targets[0] if targets else None)
+    return rules
+
+
+def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> PartitionSpec:
+    """Map a PartitionSpec of logical names to mesh axes; a mesh axis is used at most once."""
+    used: set[str] = set()
+    out = []
+    for logical in spec:
+        names = logical if isinstance(logical, tuple) else (logical,)
+        axes: list[str] = []
+        for name in names:
+            if name is None:
+                continue
+            if name in MESH_AXES:  # already a mesh axis (user models may name them directly)
+                target: object = name
+            elif name in rules:
+                target = rules[name]
+            else:
+                raise ConfigError(
+                    f"parameter axis {name!r} has no sharding rule; add mesh.rules.{name}: "
+                    "<fsdp|tensor|data|null> to the config"
+                )
+            for axis in (target,) if isinstance(target, str) else (target or ()):
+                if axis not in used:
+                    used.add(axis)
+                    axes.append(axis)
+        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return PartitionSpec(*out)
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Mapping[str, object]):
+    """NamedShardings for every leaf of an abstract nnx.State, from its logical axis names."""
+    logical = nnx.get_partition_spec(abstract_state)
+
+    def to_sharding(spec):
+        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
+        return NamedSharding(mesh, logical_to_mesh(spec or PartitionSpec(), rules))
+
+    return jax.tree.map(
+        to_sharding, logical, is_leaf=lambda x: isinstance(x, nnx.Variable | PartitionSpec)
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches split their leading axis over (data, fsdp); every device sees distinct rows."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

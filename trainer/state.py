@@ -1,0 +1,145 @@
+"""The train state and its sharded initialization.
+
+Three moves, never materializing anything replicated: abstract shapes (`nnx.eval_shape`),
+shardings from the logical axis names, then one jitted init that writes straight into the
+sharded layout. Parameters travel as plain nested dicts of arrays, so Orbax, optax and the
+export path see ordinary pytrees; `nnx.merge(graphdef, params, rest)` rebuilds the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer import sharding
+
+PyTree = Any
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; a pure pytree of (sharded) arrays."""
+
+    step: jax.Array
+    params: PyTree
+    model_state: PyTree  # non-parameter module state, e.g. a dropout RNG stream
+    opt_state: PyTree
+
+
+@dataclass(frozen=True)
+class ModelSkeleton:
+    """What the step needs to rebuild the module, and how each piece is laid out on the mesh."""
+
+    graphdef: nnx.GraphDef
+    param_specs: PyTree  # logical PartitionSpecs, same tree as params
+    param_shardings: PyTree
+    model_state_shardings: PyTree
+
+    def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
+        return nnx.merge(self.graphdef, params, model_state)
+
+    def num_params(self, abstract_params: PyTree) -> int:
+        return sum(int(x.size) for x in jax.tree.leaves(abstract_params))
+
+
+def _pure(state: nnx.State) -> PyTree:
+    return nnx.to_pure_dict(state)
+
+
+def _logical_specs(state: nnx.State) -> PyTree:
+    specs = nnx.get_partition_spec(state)
+    return _pure(
+        jax.tree.map(
+            lambda v: v.get_value() if isinstance(v, nnx.Variable) else v,
+            specs,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )
+
+
+def abstract_model(
+    build: Callable[..., nnx.Module], mesh: Mesh, rules
+) -> tuple[ModelSkeleton, PyTree, PyTree]:
+    """Shapes, logical specs and shardings of a model, without allocating its weights."""
+    graphdefs = []
+
+    def shapes():
+        with nnx.use_eager_sharding(False):
+            graphdef, params, rest = nnx.split(build(rngs=nnx.Rngs(0)), nnx.Param, ...)
+        graphdefs.append(graphdef)
+        return params, rest
+
+    # jax.eval_shape, not nnx.eval_shape: the latter resolves logical names against the mesh.
+    params, rest = jax.eval_shape(shapes)
+    graphdef = graphdefs[0]
+    param_specs = _logical_specs(params)
+    to_mesh = lambda spec: NamedSharding(mesh, sharding.logical_to_mesh(spec, rules))  # noqa: E731
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    skeleton = ModelSkeleton(
+        graphdef=graphdef,
+        param_specs=param_specs,
+        param_shardings=jax.tree.map(to_mesh, param_specs, is_leaf=is_spec),
+        model_state_shardings=jax.tree.map(to_mesh, _logical_specs(rest), is_leaf=is_spec),
+    )
+    return skeleton, _pure(params), _pure(rest)
+
+
+def state_shardings(
+    skeleton: ModelSkeleton, tx: optax.GradientTransformation, abstract_params: PyTree, mesh: Mesh
+) -> TrainState:
+    """Optimizer moments follow their parameter's sharding (ZeRO-style); counters replicate."""
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    replicated = sharding.replicated(mesh)
+    opt_shardings = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        skeleton.param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(
+        step=replicated,
+        params=skeleton.param_shardings,
+        model_state=skeleton.model_state_shardings,
+        opt_state=opt_shardings,
+    )
+
+
+def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> TrainState:
+    """ShapeDtypeStructs with target shardings: the restore target for Orbax."""
+    shapes = jax.eval_shape(init)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def make_init_fn(
+    build: Callable[..., nnx.Module], tx: optax.GradientTransformation, seed: int
+) -> Callable[[], TrainState]:
+    """A pure function building the initial state; jit it with the state shardings."""
+
+    def init() -> TrainState:
+        with nnx.use_eager_sharding(False):
+            model = build(rngs=nnx.Rngs(seed))
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        params = _pure(params)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            model_state=_pure(rest),
+            opt_state=tx.init(params),
+        )
+
+    return init
+
+
+def init_state(init: Callable[[], TrainState], shardings: TrainState) -> TrainState:
+    """Materialize the initial state directly in its sharded layout."""
+    return jax.jit(init, out_shardings=shardings)()
