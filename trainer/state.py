@@ -45,9 +45,6 @@ class ModelSkeleton:
     def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         return nnx.merge(self.graphdef, params, model_state)
 
-    def num_params(self, abstract_params: PyTree) -> int:
-        return sum(int(x.size) for x in jax.tree.leaves(abstract_params))
-
 
 def _pure(state: nnx.State) -> PyTree:
     return nnx.to_pure_dict(state)

@@ -98,7 +98,7 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss_sum * scale,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "tokens": weight_sum,
         }

@@ -26,16 +26,8 @@ from trainer.config import Config
 from trainer.errors import ConfigError, TrainingError
 from trainer.metrics import MetricsWriter
 from trainer.models import build_model
-from trainer.optimizer import decay_mask, make_optimizer
-from trainer.state import (
-    TrainState,
-    abstract_model,
-    abstract_state,
-    init_state,
-    make_init_fn,
-    state_shardings,
-)
-from trainer.step import jit_steps, make_eval_step, make_train_step, next_token_loss
+from trainer.program import TrainProgram, build_program
+from trainer.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +118,7 @@ def run_metadata(config: Config, info: DatasetInfo, params: Any) -> dict[str, An
 # ----------------------------------------------------------------------------- eval
 
 
-def evaluate(config: Config, info: DatasetInfo, state, eval_step, batch_sharding) -> float:
+def evaluate(config: Config, info: DatasetInfo, program: TrainProgram, state) -> float:
     """Mean held-out loss per token over the first `eval.steps` eval batches."""
     iterator = make_batch_iterator(
         info,
@@ -141,11 +133,11 @@ def evaluate(config: Config, info: DatasetInfo, state, eval_step, batch_sharding
         process_count=jax.process_count(),
     )
     loss_sum, weight = 0.0, 0.0
-    with DeviceFeed(iterator, batch_sharding, prefetch=config.data.prefetch) as feed:
+    with DeviceFeed(iterator, program.batch_sharding, prefetch=config.data.prefetch) as feed:
         for i, (batch, _) in enumerate(feed):
             if i >= config.eval.steps:
                 break
-            out = jax.device_get(eval_step(state, batch))
+            out = jax.device_get(program.eval_step(state, batch))
             loss_sum += float(out["loss_sum"])
             weight += float(out["weight"])
     if weight == 0:
@@ -165,143 +157,120 @@ def run(config: Config) -> RunResult:
     primary = jax.process_index() == 0
     mesh = sharding.make_mesh(config.mesh)
     check_batch_fits_mesh(config, mesh)
-    rules = sharding.resolve_rules(config.mesh.rules)
     info = load_dataset(config)
-    build = model_builder(config, info)
-    batch_sharding = sharding.batch_sharding(mesh)
-
-    with jax.set_mesh(mesh):
-        skeleton, abstract_params, _ = abstract_model(build, mesh, rules)
-        tx, schedule = make_optimizer(
-            config.optim, config.run.steps, mask=decay_mask(skeleton.param_specs)
+    program = build_program(config, mesh, model_builder(config, info))
+    if primary:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.yaml").write_text(config.to_yaml())
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
+    train_iter = make_train_iterator(config, info)
+    state, start_step = restore_or_init(checkpointer, program, train_iter)
+    writer = MetricsWriter(
+        workdir,
+        total_steps=config.run.steps,
+        start_step=start_step,
+        tensorboard=config.log.tensorboard,
+        progress=config.log.progress,
+        enabled=primary,
+    )
+    if start_step:
+        writer.message(
+            f"resuming from {checkpointer.directory / str(start_step)} (step {start_step})"
         )
-        shardings = state_shardings(skeleton, tx, abstract_params, mesh)
-        init = make_init_fn(build, tx, config.run.seed)
-        train_step, eval_step = jit_steps(
-            make_train_step(skeleton, tx, schedule, next_token_loss, config.optim.accum_steps),
-            make_eval_step(skeleton, next_token_loss),
-            shardings,
-            batch_sharding,
+    else:
+        writer.message(
+            f"model: {program.num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; "
+            f"data {info.path}"
         )
-        if primary:
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "config.yaml").write_text(config.to_yaml())
-        checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
-        train_iter = make_train_iterator(config, info)
-        state, start_step = restore_or_init(
-            checkpointer, init, shardings, train_iter, log_fn=print if primary else None
-        )
-        meta = run_metadata(config, info, abstract_params)
-        writer = MetricsWriter(
-            workdir,
-            total_steps=config.run.steps,
-            start_step=start_step,
-            tensorboard=config.log.tensorboard,
-            progress=config.log.progress,
-            enabled=primary,
-        )
-        if start_step == 0 and primary:
-            writer.message(
-                f"model: {skeleton.num_params(abstract_params) / 1e6:.2f}M parameters; "
-                f"mesh {dict(mesh.shape)}; data {info.path}"
-            )
-        try:
-            return _loop(
-                config,
-                info,
-                state,
-                start_step,
-                train_step,
-                eval_step,
-                train_iter,
-                batch_sharding,
-                checkpointer,
-                writer,
-                meta,
-            )
-        finally:
-            checkpointer.close()
-            writer.close()
+    loop = Loop(
+        config, info, program, checkpointer, writer, run_metadata(config, info, state.params)
+    )
+    try:
+        with jax.set_mesh(mesh):
+            return loop.train(state, start_step, train_iter)
+    finally:
+        checkpointer.close()
+        writer.close()
 
 
-def restore_or_init(checkpointer: Checkpointer, init, shardings, train_iter, log_fn=None):
+def restore_or_init(checkpointer: Checkpointer, program: TrainProgram, train_iter):
     """Latest complete checkpoint (state + data position), or a fresh sharded init."""
     step = checkpointer.latest_step()
     if step is None:
-        return init_state(init, shardings), 0
-    target = abstract_state(shardings, init)
-    state, data_state = checkpointer.restore(step, target)
+        return program.init(), 0
+    state, data_state = checkpointer.restore(step, program.abstract_state())
     if data_state is not None:
         train_iter.set_state(data_state)
-    if log_fn:
-        log_fn(f"resuming from checkpoint {checkpointer.directory / str(step)} (step {step})")
     return state, step
 
 
-def _loop(
-    config,
-    info,
-    state,
-    start_step,
-    train_step,
-    eval_step,
-    train_iter,
-    batch_sharding,
-    checkpointer,
-    writer,
-    meta,
-) -> RunResult:
-    total = config.run.steps
-    tokens_per_step = config.data.global_batch_size * config.data.seq_len
-    result = RunResult(state=state, step=start_step)
-    window: list[float] = []
-    pending = None  # (step, device metrics, step wall time, data wait) of the previous step
-    tick = time.perf_counter()
-    with DeviceFeed(train_iter, batch_sharding, prefetch=config.data.prefetch) as feed:
-        for step in range(start_step + 1, total + 1):
-            batch, data_state = next(feed)
-            wait_s = feed.last_wait_s
-            state, metrics = train_step(state, batch)  # dispatched; runs while we log t-1
-            if pending is not None:
-                _record(pending, window, writer, config, tokens_per_step, result)
-            now = time.perf_counter()
-            step_time, tick = now - tick, now
-            if step % config.checkpoint.every == 0 or step == total:
-                metrics = {
-                    **metrics,
-                    "ckpt_block_s": checkpointer.save(step, state, data_state, meta),
-                }
-            pending = (step, metrics, step_time, wait_s)
-            if step % config.eval.every == 0 or step == total:
-                result.eval_loss = evaluate(config, info, state, eval_step, batch_sharding)
-                writer.write(step, {"eval_loss": result.eval_loss})
-        if pending is not None:
-            _record(pending, window, writer, config, tokens_per_step, result, force=True)
-    result.state, result.step = state, total
-    return result
+@dataclass
+class Loop:
+    """The step loop and its bookkeeping; one instance per run."""
 
+    config: Config
+    info: DatasetInfo
+    program: TrainProgram
+    checkpointer: Checkpointer
+    writer: MetricsWriter
+    meta: dict[str, Any]
 
-def _record(pending, window, writer, config, tokens_per_step, result, force=False) -> None:
-    """Fetch one finished step's metrics; check them; log every `log.every` steps."""
-    step, device_metrics, step_time, wait_s = pending
-    metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
-    if not np.isfinite(metrics["loss"]):
-        raise TrainingError(
-            f"loss is {metrics['loss']} at step {step}; the last good checkpoint is kept. "
-            "Lower optim.lr, check the data, or use precision.compute=float32"
-        )
-    window.append(metrics["loss"])
-    if step % config.log.every and not force:
-        return
-    row = {
-        "loss": sum(window) / len(window),
-        "lr": metrics["lr"],
-        "grad_norm": metrics["grad_norm"],
-        "tokens_per_s": tokens_per_step / step_time if step_time > 0 else 0.0,
-        "step_time_s": step_time,
-        "data_wait_frac": min(wait_s / step_time, 1.0) if step_time > 0 else 0.0,
-    }
-    row.update({k: v for k, v in metrics.items() if k == "ckpt_block_s"})
-    window.clear()
-    writer.write(step, row)
-    result.last_metrics = row
+    def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
+        config, total = self.config, self.config.run.steps
+        result = RunResult(state=state, step=start_step)
+        if start_step >= total:
+            self.writer.message(
+                f"run already at step {start_step} >= run.steps={total}; raise run.steps to "
+                "train further"
+            )
+            return result
+        window: list[float] = []
+        pending = None  # (step, device metrics, step wall time, data wait) of the previous step
+        tick = time.perf_counter()
+        feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
+        with feed:
+            for step in range(start_step + 1, total + 1):
+                batch, data_state = next(feed)
+                wait_s = feed.last_wait_s
+                state, metrics = self.program.train_step(state, batch)  # runs while we log t-1
+                if pending is not None:
+                    self._record(pending, window, result)
+                now = time.perf_counter()
+                step_time, tick = now - tick, now
+                if step % config.checkpoint.every == 0 or step == total:
+                    blocked = self.checkpointer.save(step, state, data_state, self.meta)
+                    metrics = {**metrics, "ckpt_block_s": blocked}
+                pending = (step, metrics, step_time, wait_s)
+                if step % config.eval.every == 0 or step == total:
+                    result.eval_loss = evaluate(config, self.info, self.program, state)
+                    self.writer.write(step, {"eval_loss": result.eval_loss})
+            self._record(pending, window, result, force=True)
+        result.state, result.step = state, total
+        return result
+
+    def _record(self, pending, window: list[float], result: RunResult, force=False) -> None:
+        """Fetch one finished step's metrics; check them; log every `log.every` steps."""
+        step, device_metrics, step_time, wait_s = pending
+        metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
+        if not np.isfinite(metrics["loss"]):
+            raise TrainingError(
+                f"loss is {metrics['loss']} at step {step}; the last good checkpoint is kept. "
+                "Lower optim.lr, check the data, or use precision.compute=float32"
+            )
+        window.append(metrics["loss"])
+        if step % self.config.log.every and not force:
+            return
+        tokens = self.config.data.global_batch_size * self.config.data.seq_len
+        row = {
+            "loss": sum(window) / len(window),
+            "lr": metrics["lr"],
+            "grad_norm": metrics["grad_norm"],
+            "tokens_per_s": tokens / step_time,
+            "step_time_s": step_time,
+            "data_wait_frac": min(wait_s / step_time, 1.0),
+        }
+        if "ckpt_block_s" in metrics:
+            row["ckpt_block_s"] = metrics["ckpt_block_s"]
+        window.clear()
+        self.writer.write(step, row)
+        result.last_metrics = row
