@@ -13,9 +13,16 @@ from trainer.models import build_model
 from trainer.program import build_program
 
 SMALL = [
-    "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.d_ff=128", "data.global_batch_size=16", "data.seq_len=32", "optim.warmup_steps=2",
-    "optim.lr=1e-2", "run.steps=20",
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.d_ff=128",
+    "data.global_batch_size=16",
+    "data.seq_len=32",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "run.steps=20",
 ]
 VOCAB = 64
 
@@ -34,10 +41,15 @@ def random_batches(n, batch=16, length=32, seed=0):
             for i in range(1, length):
                 same = segment_ids[b, i] == segment_ids[b, i - 1]
                 positions[b, i] = positions[b, i - 1] + 1 if same else 0
-        out.append({
-            "inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segment_ids,
-            "positions": positions, "weights": (segment_ids > 0).astype(np.float32),
-        })
+        out.append(
+            {
+                "inputs": tokens[:, :-1],
+                "targets": tokens[:, 1:],
+                "segment_ids": segment_ids,
+                "positions": positions,
+                "weights": (segment_ids > 0).astype(np.float32),
+            }
+        )
     return out
 
 
@@ -48,7 +60,10 @@ def program_for(mesh_shape, overrides=()):
     devices = jax.devices()[: data * fsdp * tensor]
     mesh = sharding.make_mesh(config.mesh, devices)
     build = functools.partial(
-        build_model, config.model, vocab_size=VOCAB, compute_dtype=config.precision.compute,
+        build_model,
+        config.model,
+        vocab_size=VOCAB,
+        compute_dtype=config.precision.compute,
         param_dtype=config.precision.params,
     )
     return build_program(config, mesh, build)
@@ -98,7 +113,9 @@ def test_accumulation_matches_full_batch(batches):
         program_for((2, 2, 2), ["precision.compute=float32", "optim.accum_steps=4"]), batches
     )
     np.testing.assert_allclose(accum, full, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(accum_state.params), jax.tree.leaves(full_state.params)):
+    for a, b in zip(
+        jax.tree.leaves(accum_state.params), jax.tree.leaves(full_state.params), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 

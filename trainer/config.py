@@ -118,6 +118,7 @@ class LogConfig(_Section):
     every: int = Field(10, ge=1)
     tensorboard: bool = True
     progress: bool = True
+    peak_tflops: float | None = Field(None, gt=0)
 
 
 class EvalConfig(_Section):

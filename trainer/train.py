@@ -24,6 +24,7 @@ from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import Config
 from trainer.errors import ConfigError, TrainingError
+from trainer.flops import device_peak_tflops, flops_per_token
 from trainer.metrics import MetricsWriter
 from trainer.models import build_model
 from trainer.program import TrainProgram, build_program
@@ -182,8 +183,17 @@ def run(config: Config) -> RunResult:
             f"model: {program.num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; "
             f"data {info.path}"
         )
+    peak = device_peak_tflops(config.log.peak_tflops)
+    vocab_size = config.model.vocab_size or info.vocab_size
     loop = Loop(
-        config, info, program, checkpointer, writer, run_metadata(config, info, state.params)
+        config,
+        info,
+        program,
+        checkpointer,
+        writer,
+        run_metadata(config, info, state.params),
+        flops_per_token=flops_per_token(config, program.num_params, vocab_size),
+        peak_tflops=peak,
     )
     try:
         with jax.set_mesh(mesh):
@@ -214,6 +224,8 @@ class Loop:
     checkpointer: Checkpointer
     writer: MetricsWriter
     meta: dict[str, Any]
+    flops_per_token: float = 0.0
+    peak_tflops: float | None = None  # per device; None when the device kind is unknown
 
     def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
         config, total = self.config, self.config.run.steps
@@ -269,6 +281,10 @@ class Loop:
             "step_time_s": step_time,
             "data_wait_frac": min(wait_s / step_time, 1.0),
         }
+        tflops = row["tokens_per_s"] * self.flops_per_token / jax.device_count() / 1e12
+        row["tflops_per_device"] = tflops
+        if self.peak_tflops:
+            row["mfu"] = tflops / self.peak_tflops
         if "ckpt_block_s" in metrics:
             row["ckpt_block_s"] = metrics["ckpt_block_s"]
         window.clear()
