@@ -1,0 +1,86 @@
+"""`dataset.json`: what a prepared dataset holds (tokenizer, dtype, splits, shard checksums)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from input_pipeline.errors import DataError
+
+INFO_FILE = "dataset.json"
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    path: Path
+    raw: dict[str, Any]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.raw["vocab_size"])
+
+    @property
+    def token_dtype(self) -> str:
+        return self.raw["token_dtype"]
+
+    @property
+    def format(self) -> str:
+        return self.raw.get("format", "arrayrecord")
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        return self.raw["tokenizer"]
+
+    @property
+    def fingerprint(self) -> str:
+        """Short content hash: a checkpoint remembers which dataset it was trained on."""
+        text = json.dumps(self.raw, sort_keys=True).encode()
+        return hashlib.sha256(text).hexdigest()[:16]
+
+    def split(self, name: str) -> dict[str, Any]:
+        splits = self.raw.get("splits", {})
+        if name not in splits:
+            raise DataError(
+                f"dataset {self.path} has no {name!r} split (has: {', '.join(splits)}); "
+                "re-run python -m input_pipeline.prepare with --eval-fraction or --eval-input"
+            )
+        return splits[name]
+
+    def shard_paths(self, name: str) -> list[Path]:
+        paths = [self.path / shard["file"] for shard in self.split(name)["shards"]]
+        for path in paths:
+            if not path.is_file():
+                raise DataError(
+                    f"shard {path} listed in {self.path / INFO_FILE} is missing; restore it or "
+                    "re-run python -m input_pipeline.prepare --overwrite"
+                )
+        return paths
+
+    def num_records(self, name: str) -> int:
+        return int(self.split(name)["records"])
+
+    def num_tokens(self, name: str) -> int:
+        return int(self.split(name)["tokens"])
+
+
+def load_dataset_info(path: str | Path) -> DatasetInfo:
+    """Read and sanity-check a prepared dataset folder."""
+    path = Path(path)
+    info_file = path / INFO_FILE
+    if not info_file.is_file():
+        raise DataError(
+            f"{path} is not a prepared dataset (no {INFO_FILE}); run python -m "
+            f"input_pipeline.prepare --input 'corpus/*.txt' --output {path}, or use a built-in "
+            "corpus name such as python-stdlib"
+        )
+    try:
+        raw = json.loads(info_file.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{info_file} is not valid JSON ({err.msg}); re-run prepare") from None
+    info = DatasetInfo(path=path, raw=raw)
+    if info.num_records("train") == 0:
+        raise DataError(f"dataset {path} has an empty train split; prepare it from more text")
+    return info

@@ -1,0 +1,78 @@
+"""Tokenized records in ArrayRecord shards: one record is one document's (or one bounded piece
+of a long document's) tokens as raw little-endian integers of the dataset's token dtype."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from input_pipeline.errors import DataError
+
+# group_size:1 keeps every record independently addressable: global shuffles stay cheap.
+WRITER_OPTIONS = "group_size:1"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while the vocabulary allows, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def split_long(tokens: np.ndarray, max_record_tokens: int) -> list[np.ndarray]:
+    """Cut a long document into pieces so random access reads a bounded record."""
+    return [tokens[i : i + max_record_tokens] for i in range(0, len(tokens), max_record_tokens)]
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+    return f"{split}-{index:05d}-of-{count:05d}.arrayrecord"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_shards(
+    records: Iterable[np.ndarray], folder: Path, split: str, num_shards: int, dtype: np.dtype
+) -> list[dict[str, Any]]:
+    """Write records round-robin over `num_shards` files; return per-shard counts and hashes."""
+    names = [shard_name(split, i, num_shards) for i in range(num_shards)]
+    writers = [ArrayRecordWriter(str(folder / n), WRITER_OPTIONS) for n in names]
+    counts = [[0, 0] for _ in names]  # records, tokens
+    try:
+        for i, tokens in enumerate(records):
+            shard = i % num_shards
+            writers[shard].write(np.asarray(tokens, dtype=dtype).tobytes())
+            counts[shard][0] += 1
+            counts[shard][1] += len(tokens)
+    finally:
+        for writer in writers:
+            writer.close()
+    return [
+        {"file": name, "records": r, "tokens": t, "sha256": sha256_of(folder / name)}
+        for name, (r, t) in zip(names, counts, strict=True)
+    ]
+
+
+class DecodeRecord(grain.transforms.Map):
+    """Record bytes -> aligned next-token pairs, so packing never pairs tokens across documents."""
+
+    def __init__(self, dtype: str):
+        self.dtype = np.dtype(dtype)
+
+    def map(self, record: bytes) -> dict[str, np.ndarray]:
+        if len(record) % self.dtype.itemsize:
+            raise DataError(
+                f"a record of {len(record)} bytes is not a whole number of {self.dtype} tokens; "
+                "the shard is corrupt: re-run python -m input_pipeline.prepare"
+            )
+        tokens = np.frombuffer(record, dtype=self.dtype).astype(np.int32)
+        return {"inputs": tokens[:-1], "targets": tokens[1:]}

@@ -1,0 +1,150 @@
+"""End to end: prepare a real (small) corpus, train, checkpoint, resume — through the library and
+through the CLI, as a user drives it."""
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from input_pipeline.prepare import prepare_dataset
+from trainer.config import load_config
+from trainer.train import run
+
+TINY = [
+    "model.num_layers=2",
+    "model.d_model=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=64",
+    "data.global_batch_size=16",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=5",
+    "log.every=1",
+    "log.progress=false",
+    "eval.steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~1 MB of the running Python's own stdlib source, prepared like any user corpus."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))[:120]
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    out = tmp_path_factory.mktemp("data") / "stdlib-small"
+    prepare_dataset(texts, out, eval_fraction=0.05, progress=False)
+    return out
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(rows):
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_train_learns_checkpoints_and_resumes_exactly(corpus, tmp_path):
+    def config(workdir, steps):
+        return load_config(
+            None,
+            [
+                *TINY,
+                f"data.path={corpus}",
+                f"run.workdir={workdir}",
+                f"run.steps={steps}",
+                "checkpoint.every=10",
+                "eval.every=10",
+                "optim.decay_steps=40",
+            ],
+        )
+
+    straight = tmp_path / "straight"
+    result = run(config(straight, 40))
+    rows = read_metrics(straight)
+    losses = train_losses(rows)
+    assert sorted(losses) == list(range(1, 41))
+    assert np.mean([losses[s] for s in range(36, 41)]) < losses[1] - 1.0  # it learns
+    needed = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_frac"}
+    assert all(needed <= set(r) for r in rows if "loss" in r)
+    assert [r["step"] for r in rows if "eval_loss" in r] == [10, 20, 30, 40]
+    assert "ckpt_block_s" in next(r for r in rows if r["step"] == 10 and "loss" in r)
+    assert result.eval_loss is not None and np.isfinite(result.eval_loss)
+    assert (straight / "config.yaml").is_file()
+    assert any((straight / "tb").iterdir())
+
+    # Stop at 20, then resume to 40: the resumed losses equal the straight run bit for bit.
+    resumed = tmp_path / "resumed"
+    run(config(resumed, 20))
+    assert sorted(int(p.name) for p in (resumed / "checkpoints").iterdir() if p.name.isdigit())
+    run(config(resumed, 40))
+    after = train_losses(read_metrics(resumed))
+    assert [after[s] for s in range(21, 41)] == [losses[s] for s in range(21, 41)]
+
+
+@pytest.mark.slow
+def test_cli_run_then_resume(corpus, tmp_path, repo_root):
+    workdir = tmp_path / "cli"
+
+    def cli(steps):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainer.main",
+                "--config",
+                "configs/tiny.yaml",
+                f"data.path={corpus}",
+                f"run.workdir={workdir}",
+                f"run.steps={steps}",
+                "checkpoint.every=5",
+                "eval.every=5",
+                "log.every=5",
+            ],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    first = cli(10)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = cli(15)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resuming from" in second.stderr and "(step 10)" in second.stderr
+    steps = [r["step"] for r in read_metrics(workdir) if "loss" in r]
+    assert steps == [5, 10, 15]
+    assert "already at step 15" in cli(15).stderr
+
+
+def test_checkpoint_from_another_model_is_refused(corpus, tmp_path):
+    from trainer.errors import TrainingError
+
+    workdir = tmp_path / "w"
+    base = [
+        *TINY,
+        f"data.path={corpus}",
+        f"run.workdir={workdir}",
+        "run.steps=2",
+        "checkpoint.every=2",
+        "eval.every=2",
+    ]
+    run(load_config(None, base))
+    with pytest.raises(TrainingError, match=r"from another model .*saved \[2, 64"):
+        run(load_config(None, [*base, "run.steps=4", "model.d_ff=96"]))
+
+
+def test_dataset_vocab_larger_than_model_is_a_config_error(corpus, tmp_path):
+    from trainer.errors import ConfigError
+
+    config = load_config(
+        None, [*TINY, f"data.path={corpus}", f"run.workdir={tmp_path}", "model.vocab_size=100"]
+    )
+    with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller"):
+        run(config)
