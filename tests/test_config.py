@@ -99,3 +99,26 @@ def test_cli_print_config(repo_root):
     )
     assert proc.returncode == 0, proc.stderr
     assert "seq_len: 128" in proc.stdout
+
+
+def test_cli_mesh_that_does_not_match_devices_exits_2(repo_root, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            "--config",
+            "configs/demo.yaml",
+            "mesh.data=3",
+            f"run.workdir={tmp_path}",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "mesh mesh.data=3, mesh.fsdp=1, mesh.tensor=1 needs 3 devices but 8 are present" in (
+        proc.stderr
+    )

@@ -1,0 +1,230 @@
+"""The data path: prepare -> ArrayRecord -> Grain chain -> packed batches -> device feed."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from input_pipeline.corpora import resolve_dataset
+from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.device import DeviceFeed
+from input_pipeline.errors import DataError
+from input_pipeline.pipeline import make_batch_iterator
+from input_pipeline.prepare import main as prepare_main
+from input_pipeline.prepare import prepare_dataset
+from input_pipeline.records import sha256_of
+from trainer import sharding
+from trainer.config import MeshConfig
+
+
+def documents(n=60, seed=0):
+    """Documents of very different lengths, each with a recognizable first line."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "import", "return", "self", "(", ")", ":"]
+    return [
+        f"doc {i}\n" + " ".join(rng.choice(words, size=int(rng.integers(3, 400)))) for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds") / "toy"
+    prepare_dataset(
+        documents(), out, eval_fraction=0.1, num_shards=3, max_record_tokens=512, progress=False
+    )
+    return load_dataset_info(out)
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def same(a, b):
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_prepare_writes_shards_counts_and_checksums(dataset):
+    raw = json.loads((dataset.path / "dataset.json").read_text())
+    train, held = raw["splits"]["train"], raw["splits"]["eval"]
+    assert train["documents"] + held["documents"] == 60 and held["documents"] >= 1
+    assert raw["vocab_size"] == 256 and raw["token_dtype"] == "<u2"
+    assert len(train["shards"]) == 3
+    total = sum(len(d.encode()) for d in documents())
+    assert train["tokens"] + held["tokens"] == total  # nothing lost, long docs only cut
+    for shard in train["shards"]:
+        assert sha256_of(dataset.path / shard["file"]) == shard["sha256"]
+
+
+def test_prepare_is_deterministic_and_refuses_to_overwrite(dataset, tmp_path):
+    again = prepare_dataset(
+        documents(),
+        tmp_path / "again",
+        eval_fraction=0.1,
+        num_shards=3,
+        max_record_tokens=512,
+        progress=False,
+    )
+    a = json.loads((dataset.path / "dataset.json").read_text())
+    b = json.loads((again / "dataset.json").read_text())
+    assert a["splits"] == b["splits"]
+    with pytest.raises(DataError, match="--overwrite"):
+        prepare_dataset(documents(), again, progress=False)
+
+
+def test_prepare_cli_reads_txt_and_jsonl(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello world, a whole document")
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n{"text": "two docs"}\n')
+    out = tmp_path / "out"
+    code = prepare_main(
+        [
+            "--input",
+            str(tmp_path / "*.txt"),
+            "--input",
+            str(tmp_path / "*.jsonl"),
+            "--output",
+            str(out),
+            "--eval-fraction",
+            "0",
+        ]
+    )
+    assert code == 0
+    assert load_dataset_info(out).raw["splits"]["train"]["documents"] == 3
+    assert prepare_main(["--input", str(tmp_path / "none*.txt"), "--output", str(out)]) == 2
+    assert "matches no file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_same_seed_same_batches_other_seed_differs(dataset, packing):
+    kw = dict(seq_len=32, batch_size=4, packing=packing)
+    a = take(make_batch_iterator(dataset, "train", seed=1, **kw), 5)
+    b = take(make_batch_iterator(dataset, "train", seed=1, **kw), 5)
+    c = take(make_batch_iterator(dataset, "train", seed=2, **kw), 5)
+    assert all(same(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(same(x, y) for x, y in zip(a, c, strict=True))
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_state_round_trip_gives_the_next_batch(dataset, packing, shuffle):
+    kw = dict(seq_len=32, batch_size=4, packing=packing, shuffle=shuffle, seed=3)
+    it = make_batch_iterator(dataset, "train", **kw)
+    take(it, 7)
+    state = json.loads(json.dumps(it.get_state()))  # as stored in a checkpoint
+    expected = take(it, 3)
+    fresh = make_batch_iterator(dataset, "train", **kw)
+    fresh.set_state(state)
+    assert all(same(x, y) for x, y in zip(take(fresh, 3), expected, strict=True))
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_packing_invariants(dataset, packing):
+    for batch in take(
+        make_batch_iterator(dataset, "train", seq_len=48, batch_size=8, packing=packing), 10
+    ):
+        seg, pos, w = batch["segment_ids"], batch["positions"], batch["weights"]
+        assert {k: v.shape for k, v in batch.items()} == {k: (8, 48) for k in batch}
+        assert batch["weights"].dtype == np.float32 and seg.dtype == np.int32
+        np.testing.assert_array_equal(w, (seg > 0).astype(np.float32))
+        for row in range(8):
+            s, p = seg[row], pos[row]
+            real = s[s > 0]
+            assert np.all(np.diff(real) >= 0) and np.all(s[len(real) :] == 0)  # padding at end
+            for i in range(1, len(real)):
+                # positions count up inside a segment and restart at 0 at a new one
+                assert p[i] == (p[i - 1] + 1 if s[i] == s[i - 1] else 0)
+            inside = (s[1:] == s[:-1]) & (s[1:] > 0)
+            # each target is the next input within the same document piece
+            np.testing.assert_array_equal(
+                batch["targets"][row, :-1][inside], batch["inputs"][row, 1:][inside]
+            )
+
+
+def test_first_fit_keeps_documents_whole(dataset):
+    batch = next(
+        make_batch_iterator(
+            dataset, "train", seq_len=512, batch_size=4, packing="first_fit", shuffle=False
+        )
+    )
+    first = batch["inputs"][0][batch["segment_ids"][0] == 1]
+    assert bytes(first.astype(np.uint8)[:4]) == b"doc "  # a row starts at a document start
+
+
+def test_hosts_get_disjoint_data_that_covers_the_split(dataset):
+    def records(index, count):
+        it = make_batch_iterator(
+            dataset,
+            "train",
+            seq_len=1024,
+            batch_size=1,
+            packing="first_fit",
+            shuffle=False,
+            num_epochs=1,
+            process_index=index,
+            process_count=count,
+        )
+        seen = []
+        for batch in it:
+            for s in range(1, batch["segment_ids"].max() + 1):
+                seen.append(batch["inputs"][0][batch["segment_ids"][0] == s].tobytes())
+        return seen
+
+    host0, host1, alone = records(0, 2), records(1, 2), records(0, 1)
+    assert not set(host0) & set(host1)
+    assert sorted(host0 + host1) == sorted(alone)
+
+
+def test_eval_pads_the_last_batch_instead_of_dropping_it(dataset):
+    batches = list(
+        make_batch_iterator(dataset, "eval", seq_len=64, batch_size=8, shuffle=False, num_epochs=1)
+    )
+    counted = sum(b["weights"].sum() for b in batches)
+    held = dataset.raw["splits"]["eval"]
+    assert counted == held["tokens"] - held["records"]  # every next-token pair, once
+    assert all(b["inputs"].shape == (8, 64) for b in batches)
+
+
+def test_device_feed_shards_batches_and_keeps_state(dataset):
+    mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2, tensor=1))
+    kw = dict(seq_len=32, batch_size=8, seed=5)
+    it = make_batch_iterator(dataset, "train", **kw)
+    with DeviceFeed(it, sharding.batch_sharding(mesh), prefetch=3) as feed:
+        global_batch, state = next(feed)
+        second, _ = next(feed)
+    assert global_batch["inputs"].shape == (8, 32)
+    assert global_batch["inputs"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    assert len(global_batch["inputs"].addressable_shards) == 8
+    resumed = make_batch_iterator(dataset, "train", **kw)
+    resumed.set_state(state)
+    np.testing.assert_array_equal(next(resumed)["inputs"], np.asarray(second["inputs"]))
+
+
+def test_device_feed_reraises_host_errors():
+    mesh = sharding.make_mesh(MeshConfig(data=-1))
+
+    def broken():
+        yield {"inputs": np.zeros((8, 4), np.int32)}
+        raise DataError("shard x.arrayrecord is corrupt")
+
+    with DeviceFeed(broken(), sharding.batch_sharding(mesh)) as feed:
+        next(feed)
+        with pytest.raises(DataError, match="corrupt"):
+            next(feed)
+
+
+def test_bad_dataset_paths_name_the_fix(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        resolve_dataset(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="input_pipeline.prepare"):
+        load_dataset_info(resolve_dataset(str(tmp_path / "empty")))
+
+
+def test_missing_shard_is_reported(dataset, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset.path, copy)
+    next(copy.glob("train-00001-*")).unlink()
+    with pytest.raises(DataError, match="train-00001.* is missing"):
+        make_batch_iterator(load_dataset_info(copy), "train", seq_len=8, batch_size=2)
