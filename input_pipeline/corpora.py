@@ -1,15 +1,18 @@
 """Built-in corpora, prepared on first use into a cache folder and reused afterwards.
 
-`python-stdlib`: every `.py` file of the running Python's standard library — a real corpus of
-tens of MB that every Python install has, so the demo needs no download.
+Both come from the running Python's standard library, so nothing is downloaded: `python-stdlib`
+(every `.py` file, about 30 MB of code) and `python-docstrings` (its docstrings, 1.8 MB of
+English, for character-level recipes such as nanoGPT's).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 import sysconfig
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from input_pipeline.dataset_info import INFO_FILE
@@ -17,14 +20,44 @@ from input_pipeline.errors import DataError
 from input_pipeline.prepare import prepare_dataset
 
 
-def python_stdlib_documents() -> list[str]:
+def _stdlib_files(skip: tuple[str, ...] = ("site-packages",)) -> list[Path]:
     """Sorted, so every machine with the same Python gets the same corpus and split."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    return sorted(p for p in root.rglob("*.py") if not set(skip) & set(p.parts))
 
 
-BUILTIN_CORPORA: dict[str, Callable[[], list[str]]] = {"python-stdlib": python_stdlib_documents}
+def python_stdlib_documents() -> list[str]:
+    """Every standard-library source file, one document each (about 30 MB of code)."""
+    return [p.read_text(encoding="utf-8", errors="replace") for p in _stdlib_files()]
+
+
+def python_docstring_documents() -> list[str]:
+    """The docstrings of the standard library (tests excluded), one document per module: about
+    1.8 MB of English prose, a character-level corpus the size of tiny-shakespeare."""
+    documents = []
+    for path in _stdlib_files(skip=("site-packages", "test", "tests", "idle_test")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue  # a few stdlib files are deliberately invalid (lib2to3 test data)
+        owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        texts = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, owners)]
+        texts = [t for t in texts if t]
+        if texts:
+            documents.append("\n\n".join(texts))
+    return documents
+
+
+@dataclass(frozen=True)
+class Corpus:
+    documents: Callable[[], list[str]]
+    eval_fraction: float
+
+
+BUILTIN_CORPORA: dict[str, Corpus] = {
+    "python-stdlib": Corpus(python_stdlib_documents, eval_fraction=0.01),
+    "python-docstrings": Corpus(python_docstring_documents, eval_fraction=0.1),
+}
 
 
 def default_cache_dir() -> Path:
@@ -46,7 +79,8 @@ def resolve_dataset(path: str, cache_dir: str | Path | None = None) -> Path:
                 f"preparing built-in corpus {path!r} into {folder} (first use only)",
                 file=sys.stderr,
             )
-            prepare_dataset(BUILTIN_CORPORA[path](), folder, eval_fraction=0.01)
+            corpus = BUILTIN_CORPORA[path]
+            prepare_dataset(corpus.documents(), folder, eval_fraction=corpus.eval_fraction)
         return folder
     folder = Path(path)
     if not folder.exists():

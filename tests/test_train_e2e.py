@@ -4,41 +4,14 @@ through the CLI, as a user drives it."""
 import json
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TINY
 
-from input_pipeline.prepare import prepare_dataset
 from trainer.config import load_config
 from trainer.train import run
-
-TINY = [
-    "model.num_layers=2",
-    "model.d_model=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.d_ff=128",
-    "data.seq_len=64",
-    "data.global_batch_size=16",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=5",
-    "log.every=1",
-    "log.progress=false",
-    "eval.steps=2",
-]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """~1 MB of the running Python's own stdlib source, prepared like any user corpus."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"))[:120]
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    out = tmp_path_factory.mktemp("data") / "stdlib-small"
-    prepare_dataset(texts, out, eval_fraction=0.05, progress=False)
-    return out
 
 
 def read_metrics(workdir: Path) -> list[dict]:

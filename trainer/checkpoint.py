@@ -41,6 +41,11 @@ class DataStateSnapshot:
         pass
 
 
+def _train_part(state: TrainState) -> dict[str, Any]:
+    """Everything but the parameters, saved as its own item so `params` restores alone."""
+    return {"step": state.step, "model_state": state.model_state, "opt_state": state.opt_state}
+
+
 def param_shapes(params: Any) -> dict[str, list[int]]:
     """`path -> shape` of every parameter, saved with each checkpoint to explain mismatches."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -50,12 +55,14 @@ def param_shapes(params: Any) -> dict[str, list[int]]:
 class Checkpointer:
     """A thin, explicit wrapper over `ocp.CheckpointManager` for this trainer's items."""
 
-    def __init__(self, directory: str | Path, config: CheckpointConfig):
+    def __init__(self, directory: str | Path, config: CheckpointConfig, create: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
+            keep_period=config.keep_every,  # steps divisible by it are never deleted
             enable_async_checkpointing=config.async_,
-            create=True,
+            create=create,
+            read_only=not create,
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -64,6 +71,19 @@ class Checkpointer:
                 f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
                 "choose a writable run.workdir"
             ) from None
+
+    @classmethod
+    def open_existing(cls, path: str | Path) -> tuple[Checkpointer, int]:
+        """The latest checkpoint under a run's workdir or its `checkpoints/` folder."""
+        path = Path(path)
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if not folder.is_dir():
+            raise TrainingError(f"{path} holds no checkpoints; give a run.workdir of a past run")
+        checkpointer = cls(folder, CheckpointConfig(), create=False)
+        step = checkpointer.latest_step()
+        if step is None:
+            raise TrainingError(f"{folder} holds no complete checkpoint; pick another run")
+        return checkpointer, step
 
     def latest_step(self) -> int | None:
         """Latest *complete* step: Orbax only lists finalized step folders."""
@@ -78,7 +98,8 @@ class Checkpointer:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
+                params=ocp.args.StandardSave(state.params),
+                train=ocp.args.StandardSave(_train_part(state)),
                 data=grain.checkpoint.CheckpointSave(DataStateSnapshot(data_state)),
                 meta=ocp.args.JsonSave(meta),
             ),
@@ -91,19 +112,35 @@ class Checkpointer:
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict | None]:
         """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load)."""
-        self._check_shapes(step, target)
+        self._check_shapes(step, target.params)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
+                params=ocp.args.StandardRestore(target.params),
+                train=ocp.args.StandardRestore(_train_part(target)),
                 data=grain.checkpoint.CheckpointRestore(DataStateSnapshot()),
             ),
         )
-        return restored.state, restored.data.state
+        train = restored.train
+        state = TrainState(
+            step=train["step"],
+            params=restored.params,
+            model_state=train["model_state"],
+            opt_state=train["opt_state"],
+        )
+        return state, restored.data.state
 
-    def _check_shapes(self, step: int, target: TrainState) -> None:
+    def restore_params(self, step: int, target_params: Any) -> Any:
+        """Parameters only (fine-tuning from another run, export)."""
+        self._check_shapes(step, target_params)
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target_params))
+        )
+        return restored.params
+
+    def _check_shapes(self, step: int, target_params: Any) -> None:
         saved = self.read_meta(step).get("param_shapes", {})
-        wanted = param_shapes(target.params)
+        wanted = param_shapes(target_params)
         missing = sorted(set(wanted) - set(saved))
         extra = sorted(set(saved) - set(wanted))
         differ = [k for k in sorted(set(saved) & set(wanted)) if saved[k] != wanted[k]]

@@ -106,12 +106,15 @@ class OptimConfig(_Section):
     b2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     accum_steps: int = Field(1, ge=1)
+    skip_nonfinite: bool = False
 
 
 class CheckpointConfig(_Section):
     every: int = Field(500, ge=1)
     keep: int = Field(3, ge=1)
+    keep_every: int | None = Field(None, ge=1)
     async_: bool = Field(True, alias="async")
+    init_from: str | None = None
 
 
 class LogConfig(_Section):

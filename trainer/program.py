@@ -64,7 +64,14 @@ def build_program(
         shardings = state_shardings(skeleton, tx, abstract_params, mesh)
         batch_sharding = sharding.batch_sharding(mesh)
         train_step, eval_step = jit_steps(
-            make_train_step(skeleton, tx, schedule, loss_fn, config.optim.accum_steps),
+            make_train_step(
+                skeleton,
+                tx,
+                schedule,
+                loss_fn,
+                config.optim.accum_steps,
+                skip_nonfinite=config.optim.skip_nonfinite,
+            ),
             make_eval_step(skeleton, loss_fn),
             shardings,
             batch_sharding,

@@ -58,8 +58,12 @@ def make_train_step(
     schedule: optax.Schedule,
     loss_fn: LossFn = next_token_loss,
     accum_steps: int = 1,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The pure step: forward/backward (accumulated over microbatches), clip, AdamW update."""
+    """The pure step: forward/backward (accumulated over microbatches), clip, AdamW update.
+
+    With `skip_nonfinite`, a step whose loss or gradients are NaN/Inf leaves parameters and
+    optimizer state untouched (reported as `skipped=1`) instead of poisoning them."""
 
     def loss_and_state(params, model_state, batch):
         model = skeleton.merge(params, model_state)
@@ -96,12 +100,24 @@ def make_train_step(
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        loss, grad_norm = loss_sum * scale, optax.tree.norm(grads)
         metrics = {
-            "loss": loss_sum * scale,
-            "grad_norm": optax.tree.norm(grads),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
             "tokens": weight_sum,
         }
+        # One pass over the new parameters: a finite loss can still come with an update that
+        # overflows them, and such a state must never reach a checkpoint.
+        params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
+        metrics["params_finite"] = params_finite.astype(jnp.float32)
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
+            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params = jax.tree.map(keep_old, params, state.params)
+            opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+            metrics["params_finite"] = jnp.ones((), jnp.float32)  # the old ones were kept
         new_state = TrainState(
             step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
         )

@@ -27,6 +27,7 @@ from trainer.errors import ConfigError, TrainingError
 from trainer.flops import device_peak_tflops, flops_per_token
 from trainer.metrics import MetricsWriter
 from trainer.models import build_model
+from trainer.preemption import StopRequest
 from trainer.program import TrainProgram, build_program
 from trainer.state import TrainState
 
@@ -59,10 +60,14 @@ def model_builder(config: Config, info: DatasetInfo):
             f"model.vocab_size={vocab_size} is smaller than the dataset's vocabulary "
             f"({info.vocab_size}); raise model.vocab_size or leave it unset"
         )
+    return builder_for_vocab(config, vocab_size)
+
+
+def builder_for_vocab(config: Config, vocab_size: int | None = None):
     return functools.partial(
         build_model,
         config.model,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size or config.model.vocab_size,
         compute_dtype=config.precision.compute,
         param_dtype=config.precision.params,
     )
@@ -112,6 +117,7 @@ def run_metadata(config: Config, info: DatasetInfo, params: Any) -> dict[str, An
     return {
         "config": config.to_dict(),
         "dataset_fingerprint": info.fingerprint,
+        "vocab_size": config.model.vocab_size or info.vocab_size,
         "param_shapes": param_shapes(params),
     }
 
@@ -161,11 +167,16 @@ def run(config: Config) -> RunResult:
     info = load_dataset(config)
     program = build_program(config, mesh, model_builder(config, info))
     if primary:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.yaml").write_text(config.to_yaml())
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "config.yaml").write_text(config.to_yaml())
+        except OSError as err:
+            raise TrainingError(
+                f"cannot write run.workdir={workdir}: {err.strerror}; choose a writable folder"
+            ) from None
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
     train_iter = make_train_iterator(config, info)
-    state, start_step = restore_or_init(checkpointer, program, train_iter)
+    state, start_step = restore_or_init(config, checkpointer, program, train_iter)
     writer = MetricsWriter(
         workdir,
         total_steps=config.run.steps,
@@ -203,15 +214,28 @@ def run(config: Config) -> RunResult:
         writer.close()
 
 
-def restore_or_init(checkpointer: Checkpointer, program: TrainProgram, train_iter):
+def restore_or_init(config: Config, checkpointer: Checkpointer, program: TrainProgram, train_iter):
     """Latest complete checkpoint (state + data position), or a fresh sharded init."""
     step = checkpointer.latest_step()
+    if step is None and config.checkpoint.init_from:
+        return init_from(config.checkpoint.init_from, program), 0
     if step is None:
         return program.init(), 0
     state, data_state = checkpointer.restore(step, program.abstract_state())
     if data_state is not None:
         train_iter.set_state(data_state)
     return state, step
+
+
+def init_from(path: str, program: TrainProgram) -> TrainState:
+    """A fresh state whose parameters come from another run's latest checkpoint (fine-tuning):
+    optimizer state, step and data position start anew."""
+    source, step = Checkpointer.open_existing(path)
+    try:
+        params = source.restore_params(step, program.abstract_state().params)
+    finally:
+        source.close()
+    return program.init().replace(params=params)
 
 
 @dataclass
@@ -226,6 +250,7 @@ class Loop:
     meta: dict[str, Any]
     flops_per_token: float = 0.0
     peak_tflops: float | None = None  # per device; None when the device kind is unknown
+    skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
 
     def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
         config, total = self.config, self.config.run.steps
@@ -240,7 +265,7 @@ class Loop:
         pending = None  # (step, device metrics, step wall time, data wait) of the previous step
         tick = time.perf_counter()
         feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
-        with feed:
+        with feed, StopRequest() as stop:
             for step in range(start_step + 1, total + 1):
                 batch, data_state = next(feed)
                 wait_s = feed.last_wait_s
@@ -249,32 +274,52 @@ class Loop:
                     self._record(pending, window, result)
                 now = time.perf_counter()
                 step_time, tick = now - tick, now
-                if step % config.checkpoint.every == 0 or step == total:
+                if step % config.checkpoint.every == 0 or step == total or stop.requested:
+                    self._check_finite(step, jax.device_get(metrics))  # never save a NaN state
                     blocked = self.checkpointer.save(step, state, data_state, self.meta)
                     metrics = {**metrics, "ckpt_block_s": blocked}
                 pending = (step, metrics, step_time, wait_s)
                 if step % config.eval.every == 0 or step == total:
                     result.eval_loss = evaluate(config, self.info, self.program, state)
                     self.writer.write(step, {"eval_loss": result.eval_loss})
+                if stop.requested:
+                    break
             self._record(pending, window, result, force=True)
-        result.state, result.step = state, total
+        result.state, result.step = state, step
+        if stop.requested:
+            self.checkpointer.wait()
+            self.writer.message(
+                f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
+                f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
+            )
         return result
+
+    def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.config.optim.skip_nonfinite:
+            return
+        loss = float(np.asarray(metrics["loss"]))
+        if np.isfinite(loss) and float(np.asarray(metrics["params_finite"])) == 1.0:
+            return
+        what = f"loss is {loss}" if not np.isfinite(loss) else "parameters became non-finite"
+        raise TrainingError(
+            f"{what} at step {step}; the last good checkpoint is kept. Lower optim.lr, check "
+            "the data, use precision.compute=float32, or set optim.skip_nonfinite=true to "
+            "skip such steps"
+        )
 
     def _record(self, pending, window: list[float], result: RunResult, force=False) -> None:
         """Fetch one finished step's metrics; check them; log every `log.every` steps."""
         step, device_metrics, step_time, wait_s = pending
         metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
-        if not np.isfinite(metrics["loss"]):
-            raise TrainingError(
-                f"loss is {metrics['loss']} at step {step}; the last good checkpoint is kept. "
-                "Lower optim.lr, check the data, or use precision.compute=float32"
-            )
-        window.append(metrics["loss"])
+        self._check_finite(step, metrics)
+        self.skipped_steps += int(metrics.get("skipped", 0.0))
+        if np.isfinite(metrics["loss"]):
+            window.append(metrics["loss"])
         if step % self.config.log.every and not force:
             return
         tokens = self.config.data.global_batch_size * self.config.data.seq_len
         row = {
-            "loss": sum(window) / len(window),
+            "loss": sum(window) / len(window) if window else float("nan"),
             "lr": metrics["lr"],
             "grad_norm": metrics["grad_norm"],
             "tokens_per_s": tokens / step_time,
@@ -285,6 +330,8 @@ class Loop:
         row["tflops_per_device"] = tflops
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
+        if self.config.optim.skip_nonfinite:
+            row["skipped_steps"] = self.skipped_steps
         if "ckpt_block_s" in metrics:
             row["ckpt_block_s"] = metrics["ckpt_block_s"]
         window.clear()

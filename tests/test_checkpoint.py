@@ -1,0 +1,204 @@
+"""Checkpoints that never lose work: clean stops, NaN guards, resharding, retention, export."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY
+
+from trainer import sharding
+from trainer.checkpoint import Checkpointer, param_shapes
+from trainer.config import CheckpointConfig, load_config
+from trainer.errors import TrainingError
+from trainer.program import build_program
+from trainer.train import builder_for_vocab, run
+
+
+def losses_of(workdir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def saved_steps(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def base(corpus, workdir, *extra):
+    return load_config(None, [*TINY, f"data.path={corpus}", f"run.workdir={workdir}", *extra])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root):
+    args = [
+        f"data.path={corpus}",
+        "run.steps=40",
+        "optim.decay_steps=40",
+        "checkpoint.every=100",
+        "eval.every=100",
+        "log.every=1",
+    ]
+    straight = tmp_path / "straight"
+    run(
+        load_config(
+            repo_root / "configs/tiny.yaml",
+            [*args, f"run.workdir={straight}", "log.progress=false"],
+        )
+    )
+    expected = losses_of(straight)
+
+    workdir = tmp_path / "stopped"
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "--config",
+        "configs/tiny.yaml",
+        *args,
+        f"run.workdir={workdir}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=repo_root, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(losses_of(workdir)) >= 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    stopped_at = saved_steps(workdir)[-1]
+    assert 5 <= stopped_at < 40
+    assert f"stopped by SIGTERM at step {stopped_at}" in stderr
+
+    resumed = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    got = losses_of(workdir)
+    assert [got[s] for s in range(stopped_at + 1, 41)] == [
+        expected[s] for s in range(stopped_at + 1, 41)
+    ]
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(corpus, tmp_path):
+    config = base(
+        corpus,
+        tmp_path,
+        "optim.lr=1e30",
+        "optim.warmup_steps=1",
+        "run.steps=10",
+        "checkpoint.every=1",
+        "eval.every=100",
+    )
+    with pytest.raises(
+        TrainingError, match=r"(loss is (nan|inf)|parameters became non-finite) at step \d+"
+    ):
+        run(config)
+    steps = saved_steps(tmp_path)
+    assert steps, "the good steps before the NaN were saved"
+    import orbax.checkpoint as ocp
+
+    for step in steps:  # every checkpoint left behind holds finite parameters
+        params = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / str(step) / "params")
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_skip_nonfinite_skips_and_counts(corpus, tmp_path):
+    config = base(
+        corpus,
+        tmp_path,
+        "optim.lr=1e30",
+        "optim.warmup_steps=1",
+        "run.steps=6",
+        "optim.skip_nonfinite=true",
+        "checkpoint.every=100",
+        "eval.every=100",
+    )
+    run(config)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["skipped_steps"] > 0
+
+
+def test_restore_onto_another_mesh_reshards(tmp_path):
+    config = load_config(None, TINY)
+    devices = jax.devices()
+
+    def program(data, fsdp, count):
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, 1
+        mesh = sharding.make_mesh(config.mesh, devices[:count])
+        return build_program(config, mesh, builder_for_vocab(config, 256))
+
+    saver = program(1, 8, 8)
+    state = saver.init()
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+    checkpointer.save(3, state, {"position": 7}, {"param_shapes": param_shapes(state.params)})
+    checkpointer.close()
+
+    loader = program(2, 2, 4)
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+    restored, data_state = checkpointer.restore(3, loader.abstract_state())
+    checkpointer.close()
+    assert data_state == {"position": 7}
+    assert int(restored.step) == 0
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kernel = restored.params["blocks"]["mlp"]["up"]["kernel"]
+    assert len(kernel.sharding.device_set) == 4
+
+
+def test_keep_every_and_export_for_plain_orbax(corpus, tmp_path):
+    workdir = tmp_path / "run"
+    run(
+        base(
+            corpus,
+            workdir,
+            "run.steps=8",
+            "checkpoint.every=2",
+            "checkpoint.keep=1",
+            "checkpoint.keep_every=4",
+            "eval.every=100",
+        )
+    )
+    assert saved_steps(workdir) == [4, 8]
+
+    out = tmp_path / "exported"
+    export = subprocess.run(
+        [sys.executable, "-m", "trainer.export", "--workdir", str(workdir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert export.returncode == 0, export.stderr[-2000:]
+    reader = (
+        "import sys, orbax.checkpoint as ocp, numpy as np\n"
+        "p = ocp.StandardCheckpointer().restore(sys.argv[1])\n"
+        "print(np.asarray(p['embed']['embedding']).shape, 'trainer' in sys.modules)\n"
+    )
+    plain = subprocess.run(
+        [sys.executable, "-c", reader, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert plain.stdout.strip().endswith("(256, 64) False")
+
+
+def test_init_from_starts_from_another_runs_parameters(corpus, tmp_path):
+    first = tmp_path / "first"
+    run(base(corpus, first, "run.steps=30", "checkpoint.every=30", "eval.every=100"))
+    tuned = tmp_path / "tuned"
+    run(base(corpus, tuned, "run.steps=1", f"checkpoint.init_from={first}", "eval.every=100"))
+    fresh = tmp_path / "fresh"
+    run(base(corpus, fresh, "run.steps=1", "eval.every=100"))
+    assert losses_of(tuned)[1] < losses_of(fresh)[1] - 1.0
+
+
+def test_unwritable_workdir_is_reported(corpus, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(TrainingError, match="cannot write run.workdir"):
+        run(base(corpus, blocker / "run"))
