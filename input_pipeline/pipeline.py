@@ -14,10 +14,17 @@ import numpy as np
 
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
-from input_pipeline.records import DecodeRecord
+from input_pipeline.records import CheckedSource, DecodeRecord
 
 PACKING_MODES = ("concat", "first_fit")
 FEATURES = ("inputs", "targets")
+
+
+class Readable(grain.transforms.Filter):
+    """Drops the records `CheckedSource` could not read (`data.skip_corrupt`)."""
+
+    def filter(self, record: bytes | None) -> bool:
+        return record is not None
 
 
 class ToBatchContract(grain.transforms.Map):
@@ -80,19 +87,26 @@ def make_batch_iterator(
     workers: int = 0,
     process_index: int = 0,
     process_count: int = 1,
+    skip_corrupt: bool = False,
 ) -> grain.DatasetIterator:
     """This host's batches of `split`; the iterator's state checkpoints its exact position."""
     if seq_len < 2 or batch_size < 1:
         raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
     if packing not in PACKING_MODES:
         raise DataError(f"data.packing={packing!r} is unknown; use one of {PACKING_MODES}")
-    source = grain.sources.ArrayRecordDataSource([str(p) for p in info.shard_paths(split)])
+    shards = info.split(split)["shards"]
+    source = CheckedSource(
+        info.shard_paths(split), [s["records"] for s in shards], skip_corrupt=skip_corrupt
+    )
     records = grain.MapDataset.source(source)[process_index::process_count]
     if len(records) == 0:
         raise DataError(f"{info.path} {split} split has no records for host {process_index}")
     if shuffle:
         records = records.shuffle(seed=seed)
-    records = records.repeat(num_epochs).map(DecodeRecord(info.token_dtype))
+    records = records.repeat(num_epochs)
+    if skip_corrupt:
+        records = records.filter(Readable())
+    records = records.map(DecodeRecord(info.token_dtype))
     pairs = records.to_iter_dataset(
         grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=max(64, 4 * batch_size))
     )

@@ -76,3 +76,46 @@ class DecodeRecord(grain.transforms.Map):
             )
         tokens = np.frombuffer(record, dtype=self.dtype).astype(np.int32)
         return {"inputs": tokens[:-1], "targets": tokens[1:]}
+
+
+class CheckedSource:
+    """Random access over a split's shards that turns ArrayRecord corruption into a `DataError`
+    naming the shard — or, with `skip_corrupt`, yields `None` for records that cannot be read
+    (a whole shard when even its index is unreadable); the pipeline filters those out."""
+
+    def __init__(self, paths: list[Path], records_per_shard: list[int], skip_corrupt: bool = False):
+        self.paths = [str(p) for p in paths]
+        self.skip_corrupt = skip_corrupt
+        self.starts = np.concatenate([[0], np.cumsum(records_per_shard)])
+        self.shards = [self._open(path) for path in self.paths]
+
+    def _open(self, path: str):
+        try:
+            return grain.sources.ArrayRecordDataSource([path])
+        except RuntimeError as err:
+            if self.skip_corrupt:
+                return None
+            raise DataError(_corrupt_message(path, err)) from None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> bytes | None:
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        source = self.shards[shard]
+        try:
+            return None if source is None else source[index - int(self.starts[shard])]
+        except RuntimeError as err:
+            if self.skip_corrupt:
+                return None
+            raise DataError(_corrupt_message(self.paths[shard], err)) from None
+
+
+def _corrupt_message(path: str, err: Exception) -> str:
+    lines = str(err).splitlines()
+    reason = lines[0][:120] if lines else "unreadable index"
+    return (
+        f"shard {path} is corrupt or truncated ({reason}); re-run python -m "
+        "input_pipeline.prepare --overwrite, or set data.skip_corrupt=true to skip unreadable "
+        "records"
+    )

@@ -202,3 +202,57 @@ def test_unwritable_workdir_is_reported(corpus, tmp_path):
     blocker.write_text("")
     with pytest.raises(TrainingError, match="cannot write run.workdir"):
         run(base(corpus, blocker / "run"))
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_loses_nothing(corpus, tmp_path, repo_root):
+    """Killed 5 times (some kills land inside a save), the run still ends exactly like an
+    uninterrupted one: every restart resumes from the latest complete checkpoint."""
+    args = [
+        f"data.path={corpus}",
+        "run.steps=24",
+        "optim.decay_steps=24",
+        "checkpoint.every=2",
+        "eval.every=100",
+        "log.every=1",
+    ]
+    straight = tmp_path / "straight"
+    run(
+        load_config(
+            repo_root / "configs/tiny.yaml",
+            [*args, f"run.workdir={straight}", "log.progress=false"],
+        )
+    )
+    workdir = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "--config",
+        "configs/tiny.yaml",
+        *args,
+        f"run.workdir={workdir}",
+    ]
+    rng = np.random.default_rng(0)
+    resumed_from = []
+
+    def lines_written():
+        path = workdir / "metrics.jsonl"
+        return path.read_text().count("\n") if path.exists() else 0
+
+    for _ in range(5):
+        before = lines_written()
+        proc = subprocess.Popen(cmd, cwd=repo_root, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120  # wait until this attempt trains, then kill at random
+        while time.time() < deadline and proc.poll() is None and lines_written() <= before:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
+        proc.kill()
+        _, stderr = proc.communicate(timeout=60)
+        if "resuming from" in stderr:
+            resumed_from.append(int(stderr.split("(step ")[1].split(")")[0]))
+    final = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert resumed_from == sorted(resumed_from) and len(resumed_from) >= 3
+    assert not [p for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
+    assert losses_of(workdir)[24] == losses_of(straight)[24]

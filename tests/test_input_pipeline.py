@@ -228,3 +228,35 @@ def test_missing_shard_is_reported(dataset, tmp_path):
     next(copy.glob("train-00001-*")).unlink()
     with pytest.raises(DataError, match="train-00001.* is missing"):
         make_batch_iterator(load_dataset_info(copy), "train", seq_len=8, batch_size=2)
+
+
+def corrupt_copy(dataset, tmp_path, truncate=False):
+    import shutil
+
+    copy = tmp_path / "corrupt"
+    shutil.copytree(dataset.path, copy)
+    shard = sorted(copy.glob("train-00000-*"))[0]
+    data = bytearray(shard.read_bytes())
+    if truncate:
+        data = data[: len(data) // 2]
+    else:
+        for i in range(200, len(data) // 2):
+            data[i] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    return load_dataset_info(copy), shard
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_corrupt_or_truncated_shard_names_the_file(dataset, tmp_path, truncate):
+    info, shard = corrupt_copy(dataset, tmp_path, truncate)
+    with pytest.raises(DataError, match=rf"shard .*{shard.name} is corrupt or truncated"):
+        it = make_batch_iterator(info, "train", seq_len=32, batch_size=4, shuffle=False)
+        take(it, 30)
+
+
+def test_skip_corrupt_keeps_training_on_the_readable_records(dataset, tmp_path):
+    info, _ = corrupt_copy(dataset, tmp_path)
+    it = make_batch_iterator(
+        info, "train", seq_len=32, batch_size=4, shuffle=False, skip_corrupt=True
+    )
+    assert all(b["weights"].sum() > 0 for b in take(it, 30))

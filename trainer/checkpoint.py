@@ -63,6 +63,7 @@ class Checkpointer:
             enable_async_checkpointing=config.async_,
             create=create,
             read_only=not create,
+            cleanup_tmp_directories=create,  # partial saves of a killed run are removed
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)

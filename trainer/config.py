@@ -37,6 +37,7 @@ class DataConfig(_Section):
     read_threads: int = Field(4, ge=1)
     workers: int = Field(0, ge=0)
     prefetch: int = Field(2, ge=1)
+    skip_corrupt: bool = False
 
 
 class ModelConfig(_Section):

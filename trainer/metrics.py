@@ -42,7 +42,9 @@ class MetricsWriter:
             return
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        path = workdir / "metrics.jsonl"
+        _truncate_after(path, start_step)
+        self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115
         if tensorboard:
             from tensorboardX import SummaryWriter  # no TensorFlow import needed
 
@@ -95,6 +97,22 @@ class MetricsWriter:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """On resume, drop what a killed run logged past its last checkpoint (and a half-written
+    last line), so metrics.jsonl reads as one uninterrupted run."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if line.endswith("\n") and row.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(kept))
 
 
 def _short(value: Any) -> str:

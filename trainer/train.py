@@ -88,6 +88,7 @@ def make_train_iterator(config: Config, info: DatasetInfo):
         workers=config.data.workers,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        skip_corrupt=config.data.skip_corrupt,
     )
 
 
