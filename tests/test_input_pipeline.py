@@ -260,3 +260,14 @@ def test_skip_corrupt_keeps_training_on_the_readable_records(dataset, tmp_path):
         info, "train", seq_len=32, batch_size=4, shuffle=False, skip_corrupt=True
     )
     assert all(b["weights"].sum() > 0 for b in take(it, 30))
+
+
+def test_bench_cli_reports_pipeline_and_raw_rates(dataset, capsys, repo_root):
+    from input_pipeline.bench import main as bench_main
+
+    code = bench_main(
+        ["--config", "configs/tiny.yaml", "--batches", "3", f"data.path={dataset.path}"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "tokens/s" in out and "first batch" in out and "raw ArrayRecord reads" in out
