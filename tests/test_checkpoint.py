@@ -29,6 +29,28 @@ def saved_steps(workdir: Path) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
+def uninterrupted_run(repo_root, args, workdir):
+    """The reference: the same tiny run through the library, never stopped."""
+    run(
+        load_config(
+            repo_root / "configs/tiny.yaml", [*args, f"run.workdir={workdir}", "log.progress=false"]
+        )
+    )
+    return workdir
+
+
+def tiny_cli(args, workdir) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "--config",
+        "configs/tiny.yaml",
+        *args,
+        f"run.workdir={workdir}",
+    ]
+
+
 def base(corpus, workdir, *extra):
     return load_config(None, [*TINY, f"data.path={corpus}", f"run.workdir={workdir}", *extra])
 
@@ -43,25 +65,11 @@ def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root):
         "eval.every=100",
         "log.every=1",
     ]
-    straight = tmp_path / "straight"
-    run(
-        load_config(
-            repo_root / "configs/tiny.yaml",
-            [*args, f"run.workdir={straight}", "log.progress=false"],
-        )
-    )
+    straight = uninterrupted_run(repo_root, args, tmp_path / "straight")
     expected = losses_of(straight)
 
     workdir = tmp_path / "stopped"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.main",
-        "--config",
-        "configs/tiny.yaml",
-        *args,
-        f"run.workdir={workdir}",
-    ]
+    cmd = tiny_cli(args, workdir)
     proc = subprocess.Popen(cmd, cwd=repo_root, stderr=subprocess.PIPE, text=True)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 120
@@ -216,23 +224,9 @@ def test_sigkill_at_random_moments_loses_nothing(corpus, tmp_path, repo_root):
         "eval.every=100",
         "log.every=1",
     ]
-    straight = tmp_path / "straight"
-    run(
-        load_config(
-            repo_root / "configs/tiny.yaml",
-            [*args, f"run.workdir={straight}", "log.progress=false"],
-        )
-    )
+    straight = uninterrupted_run(repo_root, args, tmp_path / "straight")
     workdir = tmp_path / "killed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.main",
-        "--config",
-        "configs/tiny.yaml",
-        *args,
-        f"run.workdir={workdir}",
-    ]
+    cmd = tiny_cli(args, workdir)
     rng = np.random.default_rng(0)
     resumed_from = []
 

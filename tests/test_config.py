@@ -67,14 +67,14 @@ def test_saved_config_revalidates():
     assert config_from_dict(tree).optim.lr == 0.01
 
 
+def cli(repo_root, *args):
+    """`python -m trainer.main --config configs/demo.yaml ARGS`, as a user types it."""
+    command = [sys.executable, "-m", "trainer.main", "--config", "configs/demo.yaml", *args]
+    return subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=120)
+
+
 def test_cli_exits_2_without_traceback(repo_root):
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.main", "--config", "configs/demo.yaml", "optim.lrr=1"],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli(repo_root, "optim.lrr=1")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "unknown key optim.lrr; did you mean optim.lr?" in proc.stderr
@@ -82,41 +82,13 @@ def test_cli_exits_2_without_traceback(repo_root):
 
 
 def test_cli_print_config(repo_root):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.main",
-            "--config",
-            "configs/demo.yaml",
-            "--print-config",
-            "data.seq_len=128",
-        ],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli(repo_root, "--print-config", "data.seq_len=128")
     assert proc.returncode == 0, proc.stderr
     assert "seq_len: 128" in proc.stdout
 
 
 def test_cli_mesh_that_does_not_match_devices_exits_2(repo_root, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.main",
-            "--config",
-            "configs/demo.yaml",
-            "mesh.data=3",
-            f"run.workdir={tmp_path}",
-        ],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli(repo_root, "mesh.data=3", f"run.workdir={tmp_path}")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "mesh mesh.data=3, mesh.fsdp=1, mesh.tensor=1 needs 3 devices but 8 are present" in (
