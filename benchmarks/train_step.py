@@ -27,9 +27,10 @@ from flax import nnx
 
 from trainer import sharding
 from trainer.config import Config, load_config
+from trainer.data import lm_batches, load_dataset
 from trainer.models import build_model
 from trainer.program import build_program
-from trainer.train import load_dataset, make_train_iterator, run
+from trainer.train import run
 
 
 def builder(config: Config, vocab_size: int):
@@ -135,7 +136,7 @@ def main() -> None:
     for path in args.configs:
         trainer_s, max_wait, config = trainer_step_seconds(path, args.steps)
         info = load_dataset(config)
-        host = make_train_iterator(config, info)
+        host = lm_batches(config, info, "train")
         batches = [next(host) for _ in range(8)]
         bare_s = bare_step_seconds(config, info.vocab_size, batches, args.steps)
         tokens = config.data.global_batch_size * config.data.seq_len

@@ -1,17 +1,25 @@
 """A JAX/Flax NNX trainer where the accelerator never waits.
 
-Public API: `load_config`, `Config`, `run`, `RunResult`, and the error types a caller may catch.
+Public API:
+    config = trainer.load_config("configs/demo.yaml", ["optim.lr=1e-3"])
+    result = trainer.run(config)                                  # the configured LM
+    result = trainer.run(config, model=..., loss_fn=..., data=..., eval_data=...)
+
+`run` shards the model over the configured mesh, applies the precision policy, accumulates
+gradients, checkpoints (data position included) and resumes, logs metrics and evaluates.
 """
 
 from trainer.config import Config, load_config
 from trainer.errors import ConfigError, TrainingError
 
 
-def run(config: Config):
-    """Train `config` (see `trainer.train.run`); imported lazily to keep `import trainer` light."""
+def run(config: Config, **kwargs):
+    """Train `config`; see `trainer.train.run` for `model`, `loss_fn`, `data`, `eval_data`.
+
+    Imported lazily so `import trainer` stays light (no JAX backend start-up)."""
     from trainer.train import run as _run
 
-    return _run(config)
+    return _run(config, **kwargs)
 
 
 __all__ = ["Config", "ConfigError", "TrainingError", "load_config", "run"]

@@ -19,16 +19,17 @@ PEAK_TFLOPS_BF16 = {
 }
 
 
-def flops_per_token(config: Config, num_params: int, vocab_size: int) -> float:
-    """Training FLOPs per token: 6 per non-embedding-lookup parameter (forward + backward), plus
-    attention scores and values, 12 * layers * width * context (the PaLM appendix formula)."""
+def flops_per_token(
+    config: Config, num_params: int, vocab_size: int, builtin_transformer: bool = True
+) -> float:
+    """Training FLOPs per token (or example): 6 per parameter (forward + backward) for any model;
+    for the built-in transformer, embedding lookups are free and attention adds
+    12 * layers * width * context (the PaLM appendix formula)."""
+    if not builtin_transformer:
+        return 6.0 * num_params
     model = config.model
-    lookup = vocab_size * model.d_model if model.kind == "transformer" else 0
-    if model.kind == "transformer" and model.tie_embeddings:
-        lookup = 0  # the tied table is also the output matmul, which does cost FLOPs
+    lookup = 0 if model.tie_embeddings else vocab_size * model.d_model  # tied: also the output
     dense = 6.0 * (num_params - lookup)
-    if model.kind != "transformer":
-        return dense
     return dense + 12.0 * model.num_layers * model.d_model * config.data.seq_len
 
 

@@ -15,14 +15,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
-from input_pipeline.corpora import resolve_dataset
-from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
 from input_pipeline.device import DeviceFeed
-from input_pipeline.pipeline import make_batch_iterator
 from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import Config
+from trainer.data import DataSources, dataset_sources, user_sources
 from trainer.errors import ConfigError, TrainingError
 from trainer.flops import device_peak_tflops, flops_per_token
 from trainer.metrics import MetricsWriter
@@ -30,6 +29,7 @@ from trainer.models import build_model
 from trainer.preemption import StopRequest
 from trainer.program import TrainProgram, build_program
 from trainer.state import TrainState
+from trainer.step import LossFn, next_token_loss
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +47,26 @@ class RunResult:
 # ----------------------------------------------------------------------------- setup
 
 
-def load_dataset(config: Config) -> DatasetInfo:
-    """The prepared dataset folder (built-in corpora are prepared on first use)."""
-    return load_dataset_info(resolve_dataset(config.data.path, config.data.cache_dir))
-
-
-def model_builder(config: Config, info: DatasetInfo):
+def model_builder(config: Config, dataset_vocab: int):
     """`rngs -> nnx.Module` for the configured model, with the vocabulary checked."""
-    vocab_size = config.model.vocab_size or info.vocab_size
-    if vocab_size < info.vocab_size:
+    vocab_size = config.model.vocab_size or dataset_vocab
+    if vocab_size < dataset_vocab:
         raise ConfigError(
             f"model.vocab_size={vocab_size} is smaller than the dataset's vocabulary "
-            f"({info.vocab_size}); raise model.vocab_size or leave it unset"
+            f"({dataset_vocab}); raise model.vocab_size or leave it unset"
         )
     return builder_for_vocab(config, vocab_size)
+
+
+def user_model_builder(model):
+    """A caller's model: a factory `rngs -> nnx.Module`, or a built module whose current values
+    become the initial state (placed on the mesh by the same sharded init)."""
+    if isinstance(model, nnx.Module):
+        graphdef, values = nnx.split(model)
+        return lambda rngs: nnx.merge(graphdef, values)
+    if callable(model):
+        return lambda rngs: model(rngs)
+    raise ConfigError(f"model={model!r} is neither an nnx.Module nor a factory rngs -> Module")
 
 
 def builder_for_vocab(config: Config, vocab_size: int | None = None):
@@ -71,35 +77,6 @@ def builder_for_vocab(config: Config, vocab_size: int | None = None):
         compute_dtype=config.precision.compute,
         param_dtype=config.precision.params,
     )
-
-
-def make_train_iterator(config: Config, info: DatasetInfo):
-    host_batch = _host_batch_size(config)
-    return make_batch_iterator(
-        info,
-        "train",
-        seq_len=config.data.seq_len,
-        batch_size=host_batch,
-        packing=config.data.packing,
-        shuffle=config.data.shuffle,
-        seed=config.run.seed,
-        num_epochs=None,
-        read_threads=config.data.read_threads,
-        workers=config.data.workers,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        skip_corrupt=config.data.skip_corrupt,
-    )
-
-
-def _host_batch_size(config: Config) -> int:
-    processes = jax.process_count()
-    if config.data.global_batch_size % processes:
-        raise ConfigError(
-            f"data.global_batch_size={config.data.global_batch_size} is not divisible by "
-            f"{processes} processes; use a multiple of {processes}"
-        )
-    return config.data.global_batch_size // processes
 
 
 def check_batch_fits_mesh(config: Config, mesh) -> None:
@@ -114,11 +91,11 @@ def check_batch_fits_mesh(config: Config, mesh) -> None:
         )
 
 
-def run_metadata(config: Config, info: DatasetInfo, params: Any) -> dict[str, Any]:
+def run_metadata(config: Config, sources: DataSources, params: Any) -> dict[str, Any]:
     return {
         "config": config.to_dict(),
-        "dataset_fingerprint": info.fingerprint,
-        "vocab_size": config.model.vocab_size or info.vocab_size,
+        "dataset_fingerprint": sources.fingerprint,
+        "vocab_size": config.model.vocab_size or sources.vocab_size,
         "param_shapes": param_shapes(params),
     }
 
@@ -126,22 +103,11 @@ def run_metadata(config: Config, info: DatasetInfo, params: Any) -> dict[str, An
 # ----------------------------------------------------------------------------- eval
 
 
-def evaluate(config: Config, info: DatasetInfo, program: TrainProgram, state) -> float:
-    """Mean held-out loss per token over the first `eval.steps` eval batches."""
-    iterator = make_batch_iterator(
-        info,
-        "eval",
-        seq_len=config.data.seq_len,
-        batch_size=_host_batch_size(config),
-        packing=config.data.packing,
-        shuffle=False,
-        num_epochs=1,
-        read_threads=config.data.read_threads,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
+def evaluate(config: Config, sources: DataSources, program: TrainProgram, state) -> float:
+    """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
     loss_sum, weight = 0.0, 0.0
-    with DeviceFeed(iterator, program.batch_sharding, prefetch=config.data.prefetch) as feed:
+    feed = DeviceFeed(iter(sources.make_eval()), program.batch_sharding, config.data.prefetch)
+    with feed:
         for i, (batch, _) in enumerate(feed):
             if i >= config.eval.steps:
                 break
@@ -150,8 +116,8 @@ def evaluate(config: Config, info: DatasetInfo, program: TrainProgram, state) ->
             weight += float(out["weight"])
     if weight == 0:
         raise ConfigError(
-            f"the eval split of {info.path} yields no batch of {config.data.global_batch_size}"
-            f"x{config.data.seq_len} tokens; lower data.global_batch_size or data.seq_len"
+            f"the eval data of {sources.description} yields no batch; lower "
+            "data.global_batch_size or data.seq_len, or pass more eval data"
         )
     return loss_sum / weight
 
@@ -159,14 +125,34 @@ def evaluate(config: Config, info: DatasetInfo, program: TrainProgram, state) ->
 # ----------------------------------------------------------------------------- run
 
 
-def run(config: Config) -> RunResult:
-    """Train `config` to `run.steps`, resuming from the workdir's latest checkpoint."""
+def run(
+    config: Config,
+    *,
+    model: Any = None,
+    loss_fn: LossFn = next_token_loss,
+    data: Any = None,
+    eval_data: Any = None,
+) -> RunResult:
+    """Train to `run.steps`, resuming from the workdir's latest checkpoint.
+
+    Without arguments, the configured model trains on the configured dataset. A caller may bring
+    `model` (an `nnx.Module`, or a factory `rngs -> nnx.Module`), `loss_fn` (`(model, batch) ->
+    (loss, aux)`), `data` (a Grain dataset or any iterable of numpy batch dicts, this host's rows)
+    and `eval_data` (re-iterable, or a callable returning a fresh iterable).
+    """
     workdir = Path(config.run.workdir)
     primary = jax.process_index() == 0
     mesh = sharding.make_mesh(config.mesh)
-    check_batch_fits_mesh(config, mesh)
-    info = load_dataset(config)
-    program = build_program(config, mesh, model_builder(config, info))
+    if data is None:
+        check_batch_fits_mesh(config, mesh)
+        sources = dataset_sources(config)
+    else:
+        sources = user_sources(data, eval_data)
+    if model is None:
+        build = model_builder(config, sources.vocab_size or config.model.vocab_size or 0)
+    else:
+        build = user_model_builder(model)
+    program = build_program(config, mesh, build, loss_fn)
     if primary:
         try:
             workdir.mkdir(parents=True, exist_ok=True)
@@ -176,7 +162,7 @@ def run(config: Config) -> RunResult:
                 f"cannot write run.workdir={workdir}: {err.strerror}; choose a writable folder"
             ) from None
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
-    train_iter = make_train_iterator(config, info)
+    train_iter = sources.train
     state, start_step = restore_or_init(config, checkpointer, program, train_iter)
     writer = MetricsWriter(
         workdir,
@@ -193,19 +179,19 @@ def run(config: Config) -> RunResult:
     else:
         writer.message(
             f"model: {program.num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; "
-            f"data {info.path}"
+            f"data {sources.description}"
         )
-    peak = device_peak_tflops(config.log.peak_tflops)
-    vocab_size = config.model.vocab_size or info.vocab_size
+    vocab_size = config.model.vocab_size or sources.vocab_size
+    builtin = model is None and config.model.kind == "transformer"
     loop = Loop(
         config,
-        info,
+        sources,
         program,
         checkpointer,
         writer,
-        run_metadata(config, info, state.params),
-        flops_per_token=flops_per_token(config, program.num_params, vocab_size),
-        peak_tflops=peak,
+        run_metadata(config, sources, state.params),
+        flops_per_token=flops_per_token(config, program.num_params, vocab_size or 0, builtin),
+        peak_tflops=device_peak_tflops(config.log.peak_tflops),
     )
     try:
         with jax.set_mesh(mesh):
@@ -213,6 +199,13 @@ def run(config: Config) -> RunResult:
     finally:
         checkpointer.close()
         writer.close()
+
+
+def _items_in(batch: dict[str, jax.Array]) -> int:
+    """Tokens per global batch for token data (`inputs` [B, L]); examples otherwise."""
+    if "inputs" in batch and batch["inputs"].ndim == 2:
+        return int(batch["inputs"].size)
+    return int(jax.tree.leaves(batch)[0].shape[0])
 
 
 def restore_or_init(config: Config, checkpointer: Checkpointer, program: TrainProgram, train_iter):
@@ -244,7 +237,7 @@ class Loop:
     """The step loop and its bookkeeping; one instance per run."""
 
     config: Config
-    info: DatasetInfo
+    sources: DataSources
     program: TrainProgram
     checkpointer: Checkpointer
     writer: MetricsWriter
@@ -252,6 +245,7 @@ class Loop:
     flops_per_token: float = 0.0
     peak_tflops: float | None = None  # per device; None when the device kind is unknown
     skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
+    items_per_step: int = 0  # tokens (or examples) in one global batch, read off the first one
 
     def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
         config, total = self.config, self.config.run.steps
@@ -268,8 +262,15 @@ class Loop:
         feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
         with feed, StopRequest() as stop:
             for step in range(start_step + 1, total + 1):
-                batch, data_state = next(feed)
+                try:
+                    batch, data_state = next(feed)
+                except StopIteration:
+                    raise TrainingError(
+                        f"the training data ran out before step {step}; repeat it (e.g. "
+                        "grain's .repeat()) or lower run.steps"
+                    ) from None
                 wait_s = feed.last_wait_s
+                self.items_per_step = self.items_per_step or _items_in(batch)
                 state, metrics = self.program.train_step(state, batch)  # runs while we log t-1
                 if pending is not None:
                     self._record(pending, window, result)
@@ -280,8 +281,9 @@ class Loop:
                     blocked = self.checkpointer.save(step, state, data_state, self.meta)
                     metrics = {**metrics, "ckpt_block_s": blocked}
                 pending = (step, metrics, step_time, wait_s)
-                if step % config.eval.every == 0 or step == total:
-                    result.eval_loss = evaluate(config, self.info, self.program, state)
+                evaluating = step % config.eval.every == 0 or step == total
+                if evaluating and self.sources.make_eval is not None:
+                    result.eval_loss = evaluate(config, self.sources, self.program, state)
                     self.writer.write(step, {"eval_loss": result.eval_loss})
                 if stop.requested:
                     break
@@ -318,7 +320,7 @@ class Loop:
             window.append(metrics["loss"])
         if step % self.config.log.every and not force:
             return
-        tokens = self.config.data.global_batch_size * self.config.data.seq_len
+        tokens = self.items_per_step
         row = {
             "loss": sum(window) / len(window) if window else float("nan"),
             "lr": metrics["lr"],

@@ -1,0 +1,88 @@
+"""Where a run's batches come from: the configured prepared dataset (`data.*`), or whatever a
+library user hands to `trainer.run(config, data=...)` — a Grain dataset or any iterable of batch
+dicts of numpy arrays with a leading batch axis (this host's rows)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from input_pipeline.corpora import resolve_dataset
+from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
+from input_pipeline.pipeline import make_batch_iterator
+from trainer.config import Config
+from trainer.errors import ConfigError
+
+
+@dataclass
+class DataSources:
+    """The train iterator (its `get_state`/`set_state`, when present, is checkpointed), a way to
+    get a fresh pass over the eval data, and what checkpoints record about the data."""
+
+    train: Iterator[dict[str, Any]]
+    make_eval: Callable[[], Iterable[dict[str, Any]]] | None
+    description: str
+    fingerprint: str
+    vocab_size: int | None = None
+
+
+def host_batch_size(config: Config) -> int:
+    processes = jax.process_count()
+    if config.data.global_batch_size % processes:
+        raise ConfigError(
+            f"data.global_batch_size={config.data.global_batch_size} is not divisible by "
+            f"{processes} processes; use a multiple of {processes}"
+        )
+    return config.data.global_batch_size // processes
+
+
+def load_dataset(config: Config) -> DatasetInfo:
+    """The prepared dataset folder (built-in corpora are prepared on first use)."""
+    return load_dataset_info(resolve_dataset(config.data.path, config.data.cache_dir))
+
+
+def lm_batches(config: Config, info: DatasetInfo, split: str):
+    """This host's packed token batches of a prepared dataset split."""
+    training = split == "train"
+    return make_batch_iterator(
+        info,
+        split,
+        seq_len=config.data.seq_len,
+        batch_size=host_batch_size(config),
+        packing=config.data.packing,
+        shuffle=config.data.shuffle and training,
+        seed=config.run.seed,
+        num_epochs=None if training else 1,
+        read_threads=config.data.read_threads,
+        workers=config.data.workers if training else 0,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        skip_corrupt=config.data.skip_corrupt,
+    )
+
+
+def dataset_sources(config: Config) -> DataSources:
+    info = load_dataset(config)
+    return DataSources(
+        train=lm_batches(config, info, "train"),
+        make_eval=lambda: lm_batches(config, info, "eval"),
+        description=str(info.path),
+        fingerprint=info.fingerprint,
+        vocab_size=info.vocab_size,
+    )
+
+
+def user_sources(data: Any, eval_data: Any = None) -> DataSources:
+    """Batches a caller brings. `eval_data` must be re-iterable (a list, a Grain dataset) or a
+    zero-argument callable returning a fresh iterable, since every eval starts from its top."""
+    fixed = eval_data is None or callable(eval_data)
+    make_eval = eval_data if fixed else lambda: eval_data
+    return DataSources(
+        train=iter(data),
+        make_eval=make_eval,
+        description=type(data).__name__,
+        fingerprint=f"user:{type(data).__name__}",
+    )
