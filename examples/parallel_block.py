@@ -1,0 +1,67 @@
+"""A custom language-model block, selected by import path without touching trainer code:
+
+    PYTHONPATH=examples python -m trainer.main --config configs/demo.yaml \\
+        model.kind=parallel_block:build
+
+GPT-J / PaLM-style *parallel* block: attention and MLP read the same normalized input and their
+outputs are summed, `x + attn(norm(x)) + mlp(norm(x))`. It reuses the built-in layers (which
+already name their axes logically), so sharding, bf16 and checkpoints work unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trainer.config import ModelConfig
+from trainer.models.layers import Attention, RMSNorm, SwiGLU, partitioned
+from trainer.models.transformer import TransformerSpec
+
+
+class ParallelBlock(nnx.Module):
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.attn = Attention(spec, rngs=rngs)
+        self.mlp = SwiGLU(spec, rngs=rngs)
+
+    def __call__(self, x, segment_ids, positions):
+        h = self.norm(x)
+        return x + self.attn(h, segment_ids, positions) + self.mlp(h)
+
+
+class ParallelLM(nnx.Module):
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        init = partitioned(nnx.initializers.normal(1.0), ("vocab", "embed"))
+        self.embed = nnx.Embed(
+            spec.vocab_size,
+            spec.d_model,
+            dtype=spec.compute_dtype,
+            param_dtype=spec.param_dtype,
+            embedding_init=init,
+            rngs=rngs,
+        )
+        self.blocks = nnx.List([ParallelBlock(spec, rngs=rngs) for _ in range(spec.num_layers)])
+        self.norm = RMSNorm(spec.d_model, spec.param_dtype)
+
+    def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
+        x = self.embed(batch["inputs"])
+        for block in self.blocks:
+            x = block(x, batch["segment_ids"], batch["positions"])
+        return self.embed.attend(self.norm(x)).astype(jnp.float32)  # tied output embedding
+
+
+def build(config: ModelConfig, *, vocab_size, rngs, compute_dtype, param_dtype) -> ParallelLM:
+    """The factory `model.kind=parallel_block:build` names; shape keys come from `model.*`."""
+    spec = TransformerSpec(
+        vocab_size=vocab_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads or config.num_heads,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        rope_theta=config.rope_theta,
+        compute_dtype=compute_dtype,
+        param_dtype=param_dtype,
+    )
+    return ParallelLM(spec, rngs=rngs)

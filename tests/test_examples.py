@@ -1,0 +1,60 @@
+"""The examples run as a user runs them (shortened), and learn."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_digits_classifier_reaches_95_percent(tmp_path, repo_root):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/digits_classifier.py",
+            "--steps",
+            "300",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", proc.stderr).group(1))
+    assert accuracy >= 0.95
+
+
+@pytest.mark.slow
+def test_custom_block_by_import_path_trains_through_the_cli(corpus, tmp_path, repo_root):
+    env = {**os.environ, "PYTHONPATH": str(repo_root / "examples")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            "--config",
+            "configs/tiny.yaml",
+            "model.kind=parallel_block:build",
+            f"data.path={corpus}",
+            f"run.workdir={tmp_path}",
+            "run.steps=20",
+            "log.every=1",
+            "eval.every=20",
+            "checkpoint.every=20",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 20 and losses[-1] < losses[0] - 1.0
