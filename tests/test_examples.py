@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -31,8 +32,17 @@ def test_digits_classifier_reaches_95_percent(tmp_path, repo_root):
 
 
 @pytest.mark.slow
-def test_custom_block_by_import_path_trains_through_the_cli(corpus, tmp_path, repo_root):
-    env = {**os.environ, "PYTHONPATH": str(repo_root / "examples")}
+def test_custom_block_from_a_package_outside_the_repo_trains_through_the_cli(
+    corpus, tmp_path, repo_root
+):
+    """The parallel-block example, installed as the user's own package `user_lm` in a temporary
+    folder, is named by `model.kind` and trained by the unmodified CLI."""
+    package = tmp_path / "site" / "user_lm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    shutil.copy(repo_root / "examples/parallel_block.py", package / "blocks.py")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    workdir = tmp_path / "run"
     proc = subprocess.run(
         [
             sys.executable,
@@ -40,9 +50,9 @@ def test_custom_block_by_import_path_trains_through_the_cli(corpus, tmp_path, re
             "trainer.main",
             "--config",
             "configs/tiny.yaml",
-            "model.kind=parallel_block:build",
+            "model.kind=user_lm.blocks:build",
             f"data.path={corpus}",
-            f"run.workdir={tmp_path}",
+            f"run.workdir={workdir}",
             "run.steps=20",
             "log.every=1",
             "eval.every=20",
@@ -55,6 +65,6 @@ def test_custom_block_by_import_path_trains_through_the_cli(corpus, tmp_path, re
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0

@@ -140,3 +140,41 @@ def test_finite_data_that_runs_out_is_reported(tmp_path):
         trainer.run(
             config_for(tmp_path, 5), model=Classifier, loss_fn=classification_loss, data=short
         )
+
+
+class Unannotated(nnx.Module):
+    """A model written without any sharding in mind."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(FEATURES, 64, rngs=rngs)
+        self.out = nnx.Linear(64, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+AXES = [
+    (r".*hidden/kernel", ("embed", "mlp")),
+    (r".*hidden/bias", ("mlp",)),
+    (r".*out/kernel", ("mlp", None)),
+]
+
+
+def test_annotate_axes_shards_a_model_written_without_axes(tmp_path):
+    config = config_for(tmp_path, 3)
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+    result = trainer.run(
+        config,
+        model=lambda rngs: trainer.annotate_axes(Unannotated(rngs), AXES),
+        loss_fn=classification_loss,
+        data=train_data(),
+    )
+    params = result.state.params
+    assert params["hidden"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert params["out"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("tensor", None)
+    assert params["out"]["bias"].sharding.spec == jax.sharding.PartitionSpec()  # unmatched
+
+
+def test_annotate_axes_rejects_a_rank_mismatch():
+    with nnx.use_eager_sharding(False), pytest.raises(trainer.ConfigError, match="rank 2"):
+        trainer.annotate_axes(Unannotated(nnx.Rngs(0)), [(r"hidden/kernel", ("embed",))])

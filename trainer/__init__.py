@@ -5,10 +5,12 @@ Public API:
     result = trainer.run(config)                                  # the configured LM
     result = trainer.run(config, model=..., loss_fn=..., data=..., eval_data=...)
 
-`run` shards the model over the configured mesh, applies the precision policy, accumulates
+`annotate_axes` names the parameter axes of a model you did not write. `run` shards the model
+over the configured mesh, applies the precision policy, accumulates
 gradients, checkpoints (data position included) and resumes, logs metrics and evaluates.
 """
 
+from trainer.annotate import annotate_axes
 from trainer.config import Config, load_config
 from trainer.errors import ConfigError, TrainingError
 
@@ -22,4 +24,4 @@ def run(config: Config, **kwargs):
     return _run(config, **kwargs)
 
 
-__all__ = ["Config", "ConfigError", "TrainingError", "load_config", "run"]
+__all__ = ["Config", "ConfigError", "TrainingError", "annotate_axes", "load_config", "run"]
