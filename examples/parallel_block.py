@@ -53,15 +53,5 @@ class ParallelLM(nnx.Module):
 
 def build(config: ModelConfig, *, vocab_size, rngs, compute_dtype, param_dtype) -> ParallelLM:
     """The factory `model.kind=parallel_block:build` names; shape keys come from `model.*`."""
-    spec = TransformerSpec(
-        vocab_size=vocab_size,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads or config.num_heads,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        rope_theta=config.rope_theta,
-        compute_dtype=compute_dtype,
-        param_dtype=param_dtype,
-    )
+    spec = TransformerSpec.from_config(config, vocab_size, compute_dtype, param_dtype)
     return ParallelLM(spec, rngs=rngs)

@@ -29,20 +29,7 @@ def build_transformer(
         raise ConfigError(
             f"model.args {sorted(config.args)} are not used by model.kind=transformer; remove them"
         )
-    spec = TransformerSpec(
-        vocab_size=vocab_size,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads or config.num_heads,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        rope_theta=config.rope_theta,
-        dropout=config.dropout,
-        tie_embeddings=config.tie_embeddings,
-        remat=config.remat,
-        compute_dtype=compute_dtype,
-        param_dtype=param_dtype,
-    )
+    spec = TransformerSpec.from_config(config, vocab_size, compute_dtype, param_dtype)
     return Transformer(spec, rngs=rngs)
 
 

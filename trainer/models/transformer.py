@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.config import ModelConfig
 from trainer.models.layers import Attention, RMSNorm, SwiGLU, dropout, partitioned
 
 _REMAT_POLICIES = {
@@ -42,6 +43,26 @@ class TransformerSpec:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, vocab_size: int, compute_dtype, param_dtype
+    ) -> TransformerSpec:
+        """The shape and numerics `model.*` describes (custom blocks reuse it too)."""
+        return cls(
+            vocab_size=vocab_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads or config.num_heads,
+            d_model=config.d_model,
+            d_ff=config.d_ff,
+            rope_theta=config.rope_theta,
+            dropout=config.dropout,
+            tie_embeddings=config.tie_embeddings,
+            remat=config.remat,
+            compute_dtype=compute_dtype,
+            param_dtype=param_dtype,
+        )
 
 
 class Block(nnx.Module):
