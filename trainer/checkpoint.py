@@ -4,7 +4,6 @@ one step folder, saved asynchronously so the loop blocks only for the device-to-
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,6 @@ import orbax.checkpoint as ocp
 from trainer.config import CheckpointConfig
 from trainer.errors import TrainingError
 from trainer.state import TrainState
-
-log = logging.getLogger(__name__)
 
 
 class DataStateSnapshot:

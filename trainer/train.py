@@ -7,7 +7,6 @@ metrics, which are ready by then. Batches arrive already on the devices (`Device
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +30,6 @@ from trainer.program import TrainProgram, build_program
 from trainer.state import TrainState
 from trainer.step import LossFn, next_token_loss
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class RunResult:
@@ -50,6 +47,8 @@ class RunResult:
 def model_builder(config: Config, dataset_vocab: int):
     """`rngs -> nnx.Module` for the configured model, with the vocabulary checked."""
     vocab_size = config.model.vocab_size or dataset_vocab
+    if not vocab_size:
+        raise ConfigError("model.vocab_size is unset and the data has no vocabulary; set it")
     if vocab_size < dataset_vocab:
         raise ConfigError(
             f"model.vocab_size={vocab_size} is smaller than the dataset's vocabulary "
