@@ -9,6 +9,8 @@ Batch contract: `inputs`, `targets`, `segment_ids`, `positions` int32 `[B, L]`, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grain
 import numpy as np
 
@@ -88,15 +90,20 @@ def make_batch_iterator(
     process_index: int = 0,
     process_count: int = 1,
     skip_corrupt: bool = False,
+    skip_log: Path | None = None,
 ) -> grain.DatasetIterator:
-    """This host's batches of `split`; the iterator's state checkpoints its exact position."""
+    """This host's batches of `split`; the iterator's state checkpoints its exact position.
+    With `skip_corrupt`, unreadable records are dropped and listed in `skip_log`."""
     if seq_len < 2 or batch_size < 1:
         raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
     if packing not in PACKING_MODES:
         raise DataError(f"data.packing={packing!r} is unknown; use one of {PACKING_MODES}")
     shards = info.split(split)["shards"]
     source = CheckedSource(
-        info.shard_paths(split), [s["records"] for s in shards], skip_corrupt=skip_corrupt
+        info.shard_paths(split),
+        [s["records"] for s in shards],
+        skip_corrupt=skip_corrupt,
+        skip_log=skip_log,
     )
     records = grain.MapDataset.source(source)[process_index::process_count]
     if len(records) == 0:

@@ -3,7 +3,10 @@
     python -m input_pipeline.prepare --input 'corpus/*.txt' --output data/mycorpus \\
         [--eval-fraction 0.01 | --eval-input 'held_out/*.txt'] [--overwrite]
 
-`.txt` files are one document each; `.jsonl` files hold one document per line in a `text` field.
+`.txt` files are one document each; `.jsonl` files hold one document per line in a `text` field;
+`.parquet` files hold one document per row in a `text` column (`--text-field` names another).
+`--tokenizer sentencepiece --vocab-size N` trains a SentencePiece model on the training text;
+`--tokenizer PATH.model` uses an existing one. Either is stored in the dataset folder.
 The output appears atomically: a killed prepare never leaves a folder that looks complete.
 """
 
@@ -24,9 +27,10 @@ from tqdm import tqdm
 from input_pipeline.dataset_info import INFO_FILE
 from input_pipeline.errors import DataError
 from input_pipeline.records import split_long, token_dtype, write_shards
-from input_pipeline.tokenizers import get_tokenizer
+from input_pipeline.tokenizers import Tokenizer, make_tokenizer
 
 DEFAULT_MAX_RECORD_TOKENS = 16384
+ENCODE_BATCH = 256  # documents per tokenizer call
 
 
 def is_eval_document(text: str, eval_fraction: float) -> bool:
@@ -42,19 +46,23 @@ def prepare_dataset(
     eval_fraction: float = 0.01,
     eval_documents: Iterable[str] | None = None,
     tokenizer: str = "byte",
+    vocab_size: int | None = None,
     num_shards: int = 4,
     max_record_tokens: int = DEFAULT_MAX_RECORD_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Write `output_dir` with train/eval ArrayRecord shards and `dataset.json`; return it."""
+    """Write `output_dir` with train/eval shards and `dataset.json`; return it.
+
+    `tokenizer` is `byte`, `sentencepiece` (trained here on the training documents, with
+    `vocab_size` pieces) or the path of an existing SentencePiece `.model` file; a SentencePiece
+    model is stored in the dataset folder.
+    """
     output = Path(output_dir)
     if (output / INFO_FILE).exists() and not overwrite:
         raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction={eval_fraction} must be in [0, 1)")
-    tok = get_tokenizer(tokenizer)
-    dtype = token_dtype(tok.vocab_size)
     train, held_out = [], []
     for text in documents:
         if eval_documents is None and is_eval_document(text, eval_fraction):
@@ -71,12 +79,19 @@ def prepare_dataset(
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        tok = make_tokenizer(tokenizer, tmp, train, vocab_size)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dtype = token_dtype(tok.vocab_size)
     splits = {}
     for name, texts in (("train", train), ("eval", held_out)):
         if not texts:
             continue
-        bar = tqdm(texts, unit="doc", desc=f"tokenizing {output.name} {name}", disable=not progress)
-        records = _records(bar, tok, max_record_tokens)
+        desc = f"tokenizing {output.name} {name}"
+        bar = tqdm(total=len(texts), unit="doc", desc=desc, disable=not progress)
+        records = _records(texts, tok, max_record_tokens, bar)
         shards = write_shards(records, tmp, name, min(num_shards, len(texts)), dtype)
         splits[name] = {
             "documents": len(texts),
@@ -97,12 +112,17 @@ def prepare_dataset(
     return output
 
 
-def _records(texts: Iterable[str], tok, max_record_tokens: int) -> Iterator:
-    """Token arrays of at least 2 tokens (one next-token pair), long documents cut."""
-    for text in texts:
-        for piece in split_long(tok.encode(text), max_record_tokens):
-            if len(piece) >= 2:
-                yield piece
+def _records(texts: list[str], tok: Tokenizer, max_record_tokens: int, bar: tqdm) -> Iterator:
+    """Token arrays of at least 2 tokens (one next-token pair), long documents cut. Documents
+    are encoded a batch at a time, which a SentencePiece model spreads over every core."""
+    for start in range(0, len(texts), ENCODE_BATCH):
+        batch = texts[start : start + ENCODE_BATCH]
+        for tokens in tok.encode_batch(batch):
+            for piece in split_long(tokens, max_record_tokens):
+                if len(piece) >= 2:
+                    yield piece
+        bar.update(len(batch))
+    bar.close()
 
 
 def _publish(tmp: Path, output: Path, overwrite: bool) -> None:
@@ -122,8 +142,9 @@ def _publish(tmp: Path, output: Path, overwrite: bool) -> None:
 # ----------------------------------------------------------------------------- CLI
 
 
-def read_documents(patterns: list[str]) -> list[str]:
-    """Documents from `.txt` files (one each) and `.jsonl` files (a `text` field per line)."""
+def read_documents(patterns: list[str], text_field: str = "text") -> list[str]:
+    """Documents from `.txt` files (one each), `.jsonl` files (a `text_field` per line) and
+    `.parquet` files (a `text_field` column)."""
     files = sorted({f for pattern in patterns for f in glob.glob(pattern, recursive=True)})
     if not files:
         raise DataError(f"--input {' '.join(patterns)} matches no file; check the path or quoting")
@@ -131,26 +152,49 @@ def read_documents(patterns: list[str]) -> list[str]:
     for name in files:
         path = Path(name)
         if path.suffix == ".jsonl":
-            docs.extend(_jsonl_texts(path))
+            docs.extend(_jsonl_texts(path, text_field))
+        elif path.suffix == ".parquet":
+            docs.extend(_parquet_texts(path, text_field))
         elif path.suffix in (".txt", ".py", ".md", ""):
             docs.append(path.read_text(encoding="utf-8", errors="replace"))
         else:
-            raise DataError(f"{path}: unsupported input type {path.suffix}; use .txt or .jsonl")
+            raise DataError(
+                f"{path}: unsupported input type {path.suffix}; use .txt, .jsonl or .parquet"
+            )
     return docs
 
 
-def _jsonl_texts(path: Path) -> Iterator[str]:
+def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)["text"]
+                text = json.loads(line)[text_field]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise DataError(
-                    f"{path}:{number} is not a JSON object with a 'text' field"
+                    f"{path}:{number} is not a JSON object with a {text_field!r} field; "
+                    "name the field with --text-field"
                 ) from None
             yield text
+
+
+def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
+    """The text column, read a row group at a time so a large file never sits in memory twice."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError family
+        raise DataError(f"{path} is not a readable parquet file ({err})") from None
+    columns = table.schema_arrow.names
+    if text_field not in columns:
+        raise DataError(
+            f"{path} has no column {text_field!r} (columns: {', '.join(columns)}); name the "
+            "text column with --text-field"
+        )
+    for batch in table.iter_batches(columns=[text_field]):
+        yield from (text for text in batch.column(0).to_pylist() if text is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="dataset folder to create")
     parser.add_argument("--eval-fraction", type=float, default=0.01)
     parser.add_argument("--eval-input", action="append", help="glob of held-out files")
-    parser.add_argument("--tokenizer", default="byte", choices=["byte"])
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte (default), sentencepiece (trained here; needs --vocab-size) or PATH.model",
+    )
+    parser.add_argument("--vocab-size", type=int, help="pieces of a trained SentencePiece model")
+    parser.add_argument(
+        "--text-field", default="text", help="JSON field / parquet column holding the text"
+    )
     parser.add_argument("--format", default="arrayrecord", choices=["arrayrecord"])
     parser.add_argument("--num-shards", type=int, default=4)
     parser.add_argument("--max-record-tokens", type=int, default=DEFAULT_MAX_RECORD_TOKENS)
@@ -171,11 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = prepare_dataset(
-            read_documents(args.input),
+            read_documents(args.input, args.text_field),
             args.output,
             eval_fraction=args.eval_fraction,
-            eval_documents=read_documents(args.eval_input) if args.eval_input else None,
+            eval_documents=(
+                read_documents(args.eval_input, args.text_field) if args.eval_input else None
+            ),
             tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
             num_shards=args.num_shards,
             max_record_tokens=args.max_record_tokens,
             overwrite=args.overwrite,

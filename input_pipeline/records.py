@@ -3,7 +3,8 @@ of a long document's) tokens as raw little-endian integers of the dataset's toke
 
 from __future__ import annotations
 
-import hashlib
+import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from input_pipeline.dataset_info import sha256_of
 from input_pipeline.errors import DataError
 
 # group_size:1 keeps every record independently addressable: global shuffles stay cheap.
@@ -30,14 +32,6 @@ def split_long(tokens: np.ndarray, max_record_tokens: int) -> list[np.ndarray]:
 
 def shard_name(split: str, index: int, count: int) -> str:
     return f"{split}-{index:05d}-of-{count:05d}.arrayrecord"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_shards(
@@ -81,11 +75,22 @@ class DecodeRecord(grain.transforms.Map):
 class CheckedSource:
     """Random access over a split's shards that turns ArrayRecord corruption into a `DataError`
     naming the shard — or, with `skip_corrupt`, yields `None` for records that cannot be read
-    (a whole shard when even its index is unreadable); the pipeline filters those out."""
+    (a whole shard when even its index is unreadable); the pipeline filters those out.
 
-    def __init__(self, paths: list[Path], records_per_shard: list[int], skip_corrupt: bool = False):
+    Each skipped record is appended to `skip_log` (a JSON line, one `write` on an append-mode
+    file, so Grain's reader threads and worker processes can all report into it) and
+    `count_skipped` turns that file into the number the metrics show."""
+
+    def __init__(
+        self,
+        paths: list[Path],
+        records_per_shard: list[int],
+        skip_corrupt: bool = False,
+        skip_log: Path | None = None,
+    ):
         self.paths = [str(p) for p in paths]
         self.skip_corrupt = skip_corrupt
+        self.skip_log = str(skip_log) if skip_log else None
         self.starts = np.concatenate([[0], np.cumsum(records_per_shard)])
         self.shards = [self._open(path) for path in self.paths]
 
@@ -104,11 +109,32 @@ class CheckedSource:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         source = self.shards[shard]
         try:
-            return None if source is None else source[index - int(self.starts[shard])]
+            if source is not None:
+                return source[index - int(self.starts[shard])]
         except RuntimeError as err:
-            if self.skip_corrupt:
-                return None
-            raise DataError(_corrupt_message(self.paths[shard], err)) from None
+            if not self.skip_corrupt:
+                raise DataError(_corrupt_message(self.paths[shard], err)) from None
+        self._report_skip(shard, index)
+        return None
+
+    def _report_skip(self, shard: int, index: int) -> None:
+        if self.skip_log is None:
+            return
+        line = json.dumps({"shard": self.paths[shard], "record": int(index)}) + "\n"
+        fd = os.open(self.skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def count_skipped(skip_log: Path) -> int:
+    """Distinct records `CheckedSource` skipped (each epoch meets the same bad records again)."""
+    try:
+        lines = Path(skip_log).read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return len({line for line in lines if line.endswith("}")})
 
 
 def _corrupt_message(path: str, err: Exception) -> str:

@@ -38,6 +38,7 @@ class DataConfig(_Section):
     workers: int = Field(0, ge=0)
     prefetch: int = Field(2, ge=1)
     skip_corrupt: bool = False
+    verify_checksums: bool = True  # sha256 of every shard at start; false for huge datasets
 
 
 class ModelConfig(_Section):

@@ -4,15 +4,19 @@ dicts of numpy arrays with a leading batch axis (this host's rows)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
+from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
+from input_pipeline.records import count_skipped
 from trainer.config import Config
 from trainer.errors import ConfigError
 
@@ -27,6 +31,7 @@ class DataSources:
     description: str
     fingerprint: str
     vocab_size: int | None = None
+    skipped_records: Callable[[], int] | None = None  # unreadable records dropped so far
 
 
 def host_batch_size(config: Config) -> int:
@@ -40,8 +45,17 @@ def host_batch_size(config: Config) -> int:
 
 
 def load_dataset(config: Config) -> DatasetInfo:
-    """The prepared dataset folder (built-in corpora are prepared on first use)."""
-    return load_dataset_info(resolve_dataset(config.data.path, config.data.cache_dir))
+    """The prepared dataset folder (built-in corpora are prepared on first use), its shards
+    checked against their recorded checksums unless `data.verify_checksums` is off."""
+    info = load_dataset_info(resolve_dataset(config.data.path, config.data.cache_dir))
+    if config.data.verify_checksums:
+        try:
+            info.verify_checksums()
+        except DataError as err:
+            if not config.data.skip_corrupt:
+                raise
+            print(f"warning: {err}; reading on since data.skip_corrupt=true", file=sys.stderr)
+    return info
 
 
 def lm_batches(config: Config, info: DatasetInfo, split: str):
@@ -61,7 +75,13 @@ def lm_batches(config: Config, info: DatasetInfo, split: str):
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         skip_corrupt=config.data.skip_corrupt,
+        skip_log=skip_log_path(config),
     )
+
+
+def skip_log_path(config: Config) -> Path:
+    """Where this host's pipeline lists the records `data.skip_corrupt` dropped."""
+    return Path(config.run.workdir) / f"skipped_records.{jax.process_index()}.jsonl"
 
 
 def dataset_sources(config: Config) -> DataSources:
@@ -72,6 +92,7 @@ def dataset_sources(config: Config) -> DataSources:
         description=str(info.path),
         fingerprint=info.fingerprint,
         vocab_size=info.vocab_size,
+        skipped_records=lambda: count_skipped(skip_log_path(config)),
     )
 
 

@@ -334,6 +334,8 @@ class Loop:
             row["mfu"] = tflops / self.peak_tflops
         if self.config.optim.skip_nonfinite:
             row["skipped_steps"] = self.skipped_steps
+        if self.config.data.skip_corrupt and self.sources.skipped_records is not None:
+            row["corrupt_records_skipped"] = self.sources.skipped_records()
         if "ckpt_block_s" in metrics:
             row["ckpt_block_s"] = metrics["ckpt_block_s"]
         window.clear()
