@@ -3,8 +3,12 @@ one step folder, saved asynchronously so the loop blocks only for the device-to-
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +96,58 @@ class Checkpointer:
     ) -> float:
         """Start a save; returns the seconds the caller was blocked (device-to-host copy)."""
         jax.block_until_ready(state)  # time the copy, not the step that is still running
+        self._check_free_space(step, state)
         start = time.perf_counter()
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(state.params),
-                train=ocp.args.StandardSave(_train_part(state)),
-                data=grain.checkpoint.CheckpointSave(DataStateSnapshot(data_state)),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
+        with self._storage_errors(f"saving step {step}"):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(state.params),
+                    train=ocp.args.StandardSave(_train_part(state)),
+                    data=grain.checkpoint.CheckpointSave(DataStateSnapshot(data_state)),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
         return time.perf_counter() - start
+
+    def _check_free_space(self, step: int, state: TrainState) -> None:
+        """Refuse a save that cannot fit before writing a byte of it, on local disks (where
+        the free space is known); older checkpoints are deleted only after a new one is done."""
+        if not self.directory.is_dir():
+            return
+        needed = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise TrainingError(
+                f"checkpoint folder {self.directory} has {_size(free)} free but the save of "
+                f"step {step} needs about {_size(needed)}; free space there, lower "
+                f"checkpoint.keep, or point run.workdir at a larger disk{self._last_good()}"
+            )
+
+    def _last_good(self) -> str:
+        step = self.latest_step()
+        return f" (step {step} is the last complete checkpoint)" if step is not None else ""
+
+    @contextlib.contextmanager
+    def _storage_errors(self, doing: str) -> Iterator[None]:
+        """A full or unwritable checkpoint folder, reported as such: Orbax and TensorStore
+        raise it from background threads as assorted errors whose text carries the OS error."""
+        try:
+            yield
+        except Exception as err:
+            text = str(err)
+            if getattr(err, "errno", None) == errno.ENOSPC or _mentions(text, DISK_FULL):
+                problem = "is full (no space left on device)"
+            elif getattr(err, "errno", None) in (errno.EACCES, errno.EROFS) or _mentions(
+                text, NOT_WRITABLE
+            ):
+                problem = "is not writable"
+            else:
+                raise
+            raise TrainingError(
+                f"checkpoint folder {self.directory} {problem} while {doing}; free space or fix "
+                f"the permissions there, or point run.workdir elsewhere{self._last_good()}"
+            ) from None
 
     def read_meta(self, step: int) -> dict[str, Any]:
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -154,8 +199,24 @@ class Checkpointer:
         )
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._storage_errors("finishing a save"):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        with self._storage_errors("finishing a save"):
+            try:
+                self.manager.wait_until_finished()
+            finally:
+                self.manager.close()
+
+
+DISK_FULL = ("No space left on device", "os_error_code='28'", "[Errno 28]")
+NOT_WRITABLE = ("Permission denied", "Read-only file system", "[Errno 13]", "[Errno 30]")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _mentions(text: str, phrases: tuple[str, ...]) -> bool:
+    return any(phrase in text for phrase in phrases)
