@@ -12,21 +12,25 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import grain  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
 
 from input_pipeline.corpora import resolve_dataset  # noqa: E402
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info  # noqa: E402
 from input_pipeline.errors import DataError  # noqa: E402
 from input_pipeline.pipeline import make_batch_iterator  # noqa: E402
 
+FORMAT_NAMES = {"arrayrecord": "ArrayRecord", "tfrecord": "TFRecord"}
 
-def pipeline_rate(info: DatasetInfo, data, seed: int, batches: int) -> dict[str, float]:
-    start = time.perf_counter()
-    iterator = make_batch_iterator(
+
+def configured_batches(info: DatasetInfo, data, seed: int) -> Iterator[dict[str, np.ndarray]]:
+    """The chain `data` (a config's `data` section) configures, over the train split."""
+    return make_batch_iterator(
         info,
         "train",
         seq_len=data.seq_len,
@@ -36,12 +40,22 @@ def pipeline_rate(info: DatasetInfo, data, seed: int, batches: int) -> dict[str,
         seed=seed,
         read_threads=data.read_threads,
         workers=data.workers,
+        reader=data.reader,
     )
+
+
+def iterator_rate(
+    open_batches: Callable[[], Iterator[dict[str, np.ndarray]]], batches: int
+) -> dict[str, float]:
+    """First-batch latency (opening included), then batches/s and tokens/s (tokens with
+    weight, i.e. real next-token pairs) over `batches` more."""
+    start = time.perf_counter()
+    iterator = open_batches()
     next(iterator)
     first_s = time.perf_counter() - start
     tokens, start = 0, time.perf_counter()
     for _ in range(batches):
-        tokens += int(next(iterator)["weights"].sum())
+        tokens += int(np.count_nonzero(next(iterator)["weights"]))
     elapsed = time.perf_counter() - start
     return {
         "first_batch_s": first_s,
@@ -50,8 +64,15 @@ def pipeline_rate(info: DatasetInfo, data, seed: int, batches: int) -> dict[str,
     }
 
 
+def pipeline_rate(info: DatasetInfo, data, seed: int, batches: int) -> dict[str, float]:
+    return iterator_rate(lambda: configured_batches(info, data, seed), batches)
+
+
 def raw_read_rate(info: DatasetInfo, records: int, chunk: int = 256) -> dict[str, float]:
-    """Batched `__getitems__` over shuffled indices: the ceiling for reading these files."""
+    """Batched `__getitems__` over shuffled indices: the ceiling for reading these files (for
+    TFRecord, a sequential batched read of the serialized records)."""
+    if info.format == "tfrecord":
+        return _raw_tfrecord_rate(info, records, chunk)
     source = grain.sources.ArrayRecordDataSource([str(p) for p in info.shard_paths("train")])
     order = np.random.default_rng(0).permutation(len(source))[:records]
     read, start = 0, time.perf_counter()
@@ -60,6 +81,20 @@ def raw_read_rate(info: DatasetInfo, records: int, chunk: int = 256) -> dict[str
     elapsed = time.perf_counter() - start
     itemsize = np.dtype(info.token_dtype).itemsize
     return {"records_per_s": len(order) / elapsed, "tokens_per_s": read / itemsize / elapsed}
+
+
+def _raw_tfrecord_rate(info: DatasetInfo, records: int, chunk: int) -> dict[str, float]:
+    from input_pipeline.tfrecords import tensorflow
+
+    tf = tensorflow()
+    files = [str(p) for p in info.shard_paths("train")]
+    dataset = tf.data.TFRecordDataset(files).take(records).batch(chunk)
+    count, start = 0, time.perf_counter()
+    for serialized in dataset.as_numpy_iterator():
+        count += len(serialized)
+    elapsed = time.perf_counter() - start
+    tokens_per_record = info.num_tokens("train") / info.num_records("train")  # varints: no size
+    return {"records_per_s": count / elapsed, "tokens_per_s": count * tokens_per_record / elapsed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read absl flags
     try:
         config = load_config(args.config, args.overrides)
         info = load_dataset_info(resolve_dataset(config.data.path, config.data.cache_dir))
@@ -91,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{pipe['batches_per_s']:.1f} batches/s, {pipe['tokens_per_s']:,.0f} tokens/s"
     )
     print(
-        f"raw ArrayRecord reads: {raw['records_per_s']:,.0f} records/s, "
+        f"raw {FORMAT_NAMES[info.format]} reads: {raw['records_per_s']:,.0f} records/s, "
         f"{raw['tokens_per_s']:,.0f} tokens/s "
         f"(pipeline at {pipe['tokens_per_s'] / raw['tokens_per_s']:.2f}x of raw)"
     )

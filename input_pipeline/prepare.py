@@ -1,7 +1,8 @@
 """Tokenize text once, offline, into sharded records plus `dataset.json`.
 
     python -m input_pipeline.prepare --input 'corpus/*.txt' --output data/mycorpus \\
-        [--eval-fraction 0.01 | --eval-input 'held_out/*.txt'] [--overwrite]
+        [--eval-fraction 0.01 | --eval-input 'held_out/*.txt'] [--overwrite] \\
+        [--format arrayrecord|tfrecord]
 
 `.txt` files are one document each; `.jsonl` files hold one document per line in a `text` field;
 `.parquet` files hold one document per row in a `text` column (`--text-field` names another).
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from input_pipeline import tfrecords
 from input_pipeline.dataset_info import INFO_FILE
 from input_pipeline.errors import DataError
 from input_pipeline.records import split_long, token_dtype, write_shards
@@ -31,6 +33,7 @@ from input_pipeline.tokenizers import Tokenizer, make_tokenizer
 
 DEFAULT_MAX_RECORD_TOKENS = 16384
 ENCODE_BATCH = 256  # documents per tokenizer call
+WRITERS = {"arrayrecord": write_shards, "tfrecord": tfrecords.write_shards}  # by --format
 
 
 def is_eval_document(text: str, eval_fraction: float) -> bool:
@@ -48,6 +51,7 @@ def prepare_dataset(
     tokenizer: str = "byte",
     vocab_size: int | None = None,
     num_shards: int = 4,
+    format: str = "arrayrecord",
     max_record_tokens: int = DEFAULT_MAX_RECORD_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
@@ -61,6 +65,8 @@ def prepare_dataset(
     output = Path(output_dir)
     if (output / INFO_FILE).exists() and not overwrite:
         raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
+    if format not in WRITERS:
+        raise DataError(f"--format {format} is unknown; use one of {', '.join(WRITERS)}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction={eval_fraction} must be in [0, 1)")
     train, held_out = [], []
@@ -92,7 +98,7 @@ def prepare_dataset(
         desc = f"tokenizing {output.name} {name}"
         bar = tqdm(total=len(texts), unit="doc", desc=desc, disable=not progress)
         records = _records(texts, tok, max_record_tokens, bar)
-        shards = write_shards(records, tmp, name, min(num_shards, len(texts)), dtype)
+        shards = WRITERS[format](records, tmp, name, min(num_shards, len(texts)), dtype)
         splits[name] = {
             "documents": len(texts),
             "records": sum(s["records"] for s in shards),
@@ -100,7 +106,7 @@ def prepare_dataset(
             "shards": shards,
         }
     info = {
-        "format": "arrayrecord",
+        "format": format,
         "tokenizer": tok.spec(),
         "vocab_size": tok.vocab_size,
         "token_dtype": dtype.str,
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--text-field", default="text", help="JSON field / parquet column holding the text"
     )
-    parser.add_argument("--format", default="arrayrecord", choices=["arrayrecord"])
+    parser.add_argument("--format", default="arrayrecord", choices=list(WRITERS))
     parser.add_argument("--num-shards", type=int, default=4)
     parser.add_argument("--max-record-tokens", type=int, default=DEFAULT_MAX_RECORD_TOKENS)
     parser.add_argument("--overwrite", action="store_true")
@@ -232,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             vocab_size=args.vocab_size,
             num_shards=args.num_shards,
+            format=args.format,
             max_record_tokens=args.max_record_tokens,
             overwrite=args.overwrite,
         )

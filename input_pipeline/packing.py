@@ -1,0 +1,178 @@
+"""Concat packing, a whole batch at a time.
+
+The records of a split are concatenated into one stream of next-token pairs and cut into rows of
+`seq_len`; a batch is the next `batch_size * seq_len` pairs of that stream. Records average ~10k
+tokens, so a 64x1024 batch is a handful of records: one slice copy per record into the batch
+arrays, whole-batch fills for `segment_ids`, `positions` and `weights`, and two slice updates per
+document that starts inside a row -- O(records + rows) numpy calls and no per-token Python, where
+Grain's ConcatThenSplit + a per-row map + `.batch` stacking spent Python per row and per element
+(the chain ran at 0.03x of the raw read rate).
+
+Batches are exactly what ConcatThenSplit + `.batch` + `PadBatch` gave: the same tokens in the
+same order, a document cut at a row end goes on at position 0 of the next row, segment ids
+restart at 1 per row, 0 is padding, and the data's end is padded with zero-weight rows. One
+difference: a record with no pairs (impossible from `prepare`, which keeps >= 2 tokens) is
+skipped here, where ConcatThenSplit spent a segment id on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+# {"inputs", "targets"}: a document's next-token pairs, any integer dtype (widened to int32 as
+# they are copied into the batch, so a reader can hand over views of the stored uint16 tokens).
+Record = Mapping[str, np.ndarray]
+FIELDS = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+    "weights": np.float32,
+}
+ALIGN = 64  # bytes
+
+
+class ConcatPackIterDataset(grain.IterDataset):
+    """Decoded records -> whole batches in the batch contract (`inputs`, `targets`,
+    `segment_ids`, `positions` int32 `[B, L]`, `weights` float32 `[B, L]`).
+
+    A parent element is one record, or a sequence of records read together (one Grain element
+    per read keeps Grain's per-element cost off the per-record path)."""
+
+    def __init__(self, parent: grain.IterDataset, *, seq_len: int, batch_size: int):
+        super().__init__(parent)
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return ConcatPackIterator(self._parent.__iter__(), self.seq_len, self.batch_size)
+
+    def __str__(self) -> str:
+        return f"ConcatPackIterDataset(seq_len={self.seq_len}, batch_size={self.batch_size})"
+
+
+class ConcatPackIterator(grain.DatasetIterator):
+    """The packer. Its state is the parent's state from before the element being consumed, the
+    record within that element and the pairs of it already packed: restoring re-reads that one
+    element and goes on at the same pair, so the next batch is the one that would have come."""
+
+    def __init__(self, parent: grain.DatasetIterator, seq_len: int, batch_size: int):
+        super().__init__(parent)
+        self._shape = (batch_size, seq_len)
+        self._size = batch_size * seq_len
+        self._row_positions = np.arange(seq_len, dtype=np.int32)
+        # Most rows lie inside one document: positions 0..L-1 and segment id 1 throughout.
+        self._positions = np.tile(self._row_positions, batch_size)
+        self._element: Sequence[Record] = ()  # the parent element being consumed
+        self._element_state: dict[str, Any] | None = None  # parent state from before it
+        self._record = 0  # index of the record being consumed within the element
+        self._offset = 0  # pairs of that record already packed
+        self._exhausted = False
+
+    def _current_record(self) -> Record | None:
+        """The record to pack from next, reading parent elements as needed; None at the end."""
+        while self._record >= len(self._element):
+            if self._exhausted:
+                return None
+            state = self._parent.get_state()
+            try:
+                element = next(self._parent)
+            except StopIteration:
+                self._exhausted = True
+                return None
+            self._set_element(element, state)
+        return self._element[self._record]
+
+    def _set_element(self, element: Record | Sequence[Record], state: dict[str, Any]) -> None:
+        self._element = (element,) if isinstance(element, Mapping) else element
+        self._element_state = state
+        self._record = 0
+        self._offset = 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        self._assert_not_closed()
+        fields = _aligned_fields(self._size)
+        inputs, targets = fields["inputs"], fields["targets"]
+        document_starts = []  # flat offsets where a document begins inside this batch
+        filled = 0
+        while filled < self._size:
+            record = self._current_record()
+            if record is None:
+                break
+            record_inputs = record["inputs"]
+            take = min(len(record_inputs) - self._offset, self._size - filled)
+            if take > 0:
+                end, stop = filled + take, self._offset + take
+                inputs[filled:end] = record_inputs[self._offset : stop]
+                targets[filled:end] = record["targets"][self._offset : stop]
+                if self._offset == 0:
+                    document_starts.append(filled)
+                filled, self._offset = end, stop
+            if self._offset >= len(record_inputs):
+                self._record += 1
+                self._offset = 0
+        if filled == 0:
+            raise StopIteration
+        self._fill_pieces(fields, document_starts, filled)
+        return {name: array.reshape(self._shape) for name, array in fields.items()}
+
+    def _fill_pieces(self, fields: dict[str, np.ndarray], document_starts: list[int], filled: int):
+        """Segment ids, positions and weights: whole-row defaults, then from each document start
+        inside a row, the next segment id and positions from 0; zeros after `filled`, where the
+        data ended. O(rows) work per batch, plus two slices per document start."""
+        seq_len = self._shape[1]
+        segment_ids = fields["segment_ids"].reshape(self._shape)
+        positions = fields["positions"]
+        segment_ids.fill(1)
+        positions[:] = self._positions
+        fields["weights"].fill(1.0)
+        for start in document_starts:
+            row, column = divmod(start, seq_len)
+            if column:
+                rest = seq_len - column
+                segment_ids[row, column:] += 1
+                positions[start : start + rest] = self._row_positions[:rest]
+        if filled < self._size:
+            for array in fields.values():
+                array[filled:] = 0
+
+    def get_state(self) -> dict[str, Any]:
+        if self._record < len(self._element):
+            parent, record, offset = self._element_state, self._record, self._offset
+        else:  # nothing pending: the parent's own position says it all
+            parent, record, offset = self._parent.get_state(), 0, 0
+        return {"parent": parent, "record": record, "offset": offset}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._element, self._element_state = (), None
+        self._record, self._offset, self._exhausted = 0, 0, False
+        if state["record"] or state["offset"]:
+            try:
+                element = next(self._parent)
+            except StopIteration:
+                raise ValueError(f"{self}: the data ended before the saved position") from None
+            self._set_element(element, state["parent"])
+            self._record, self._offset = state["record"], state["offset"]
+
+    def __str__(self) -> str:
+        return f"ConcatPackIterator(batch={self._shape})"
+
+
+def _aligned_fields(size: int) -> dict[str, np.ndarray]:
+    """Fresh batch arrays in one block, each at a 64-byte boundary: JAX's CPU backend then
+    aliases them instead of copying them into device buffers (`to_global` went from ~0.8 to
+    ~0.3 ms per 64x1024 batch). Safe because the packer never writes to a batch it handed out."""
+    stride = -(-size * 4 // ALIGN) * ALIGN  # every field is 4 bytes per token
+    block = np.empty(len(FIELDS) * stride + ALIGN, np.uint8)
+    first = -block.ctypes.data % ALIGN
+    return {
+        name: block[first + i * stride : first + i * stride + size * 4].view(dtype)
+        for i, (name, dtype) in enumerate(FIELDS.items())
+    }

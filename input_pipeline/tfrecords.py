@@ -1,0 +1,225 @@
+"""Tokenized records in TFRecord shards, and Grain's reader for them.
+
+A shard `{split}-{i:05d}-of-{n:05d}.tfrecord` is uncompressed; each record is one
+`tf.train.Example` whose single int64 feature `tokens` holds one document (or one bounded piece
+of a long one) — the same records `records.write_shards` puts in ArrayRecord, so both formats
+feed the same packing. TensorFlow is imported only here and in `tfdata.py`, on first use: it
+costs ~4 s and 1.3 GB that ArrayRecord users never pay.
+
+Grain reads TFRecord sequentially (no random access), so this host's shards are shuffled per
+epoch by file order, interleaved, and shuffled within a seeded window of records; the iterator
+state is each open shard's byte offset plus the window position, and restores exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+from input_pipeline.dataset_info import DatasetInfo
+from input_pipeline.errors import DataError
+from input_pipeline.records import write_round_robin
+
+FEATURE = "tokens"
+READERS = ("auto", "grain", "tfdata")
+SHUFFLE_RECORDS = 1024  # records in Grain's shuffle window and in tf.data's shuffle buffer
+PREFETCH_RECORDS = 32  # parsed records buffered ahead per open shard
+
+
+def tensorflow():
+    """TensorFlow, imported on first use and kept off any GPU (the GPU belongs to JAX)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Only parse ops run in TF here; oneDNN would change nothing but print a startup line.
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    import tensorflow as tf
+
+    with contextlib.suppress(RuntimeError):  # raised once TF is initialized: the setting holds
+        tf.config.set_visible_devices([], "GPU")
+    return tf
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+    return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
+
+
+def write_shards(
+    records: Iterable[np.ndarray], folder: Path, split: str, num_shards: int, dtype: np.dtype
+) -> list[dict[str, Any]]:
+    """Write records round-robin over `num_shards` TFRecord files (as `records.write_shards`
+    does for ArrayRecord); return per-shard counts and hashes."""
+    tf = tensorflow()
+
+    def encode(tokens: np.ndarray) -> bytes:
+        values = tf.train.Int64List(value=np.asarray(tokens, dtype=dtype).tolist())
+        feature = {FEATURE: tf.train.Feature(int64_list=values)}
+        return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+    names = [shard_name(split, i, num_shards) for i in range(num_shards)]
+    return write_round_robin(records, folder, names, tf.io.TFRecordWriter, encode)
+
+
+def host_shards(info: DatasetInfo, split: str, process_index: int, process_count: int) -> list:
+    """This reader's shard files: TFRecord has no random access, so readers (hosts or data
+    streams) split the split by whole shard."""
+    paths = [str(p) for p in info.shard_paths(split)]
+    if len(paths) < process_count:
+        raise DataError(
+            f"{info.path} has {len(paths)} {split} shards for {process_count} readers (hosts, "
+            "or data.streams); TFRecord data is split between readers by whole shard: re-run "
+            f"python -m input_pipeline.prepare --format tfrecord --num-shards {process_count} "
+            "(or a multiple) --overwrite"
+        )
+    return paths[process_index::process_count]
+
+
+def tfrecord_pairs(
+    info: DatasetInfo,
+    split: str,
+    *,
+    reader: str = "auto",
+    shuffle: bool = True,
+    seed: int = 0,
+    num_epochs: int | None = None,
+    read_threads: int = 4,
+    workers: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    skip_corrupt: bool = False,
+    skip_log: Path | None = None,
+) -> grain.IterDataset:
+    """This host's decoded `{"inputs", "targets"}` records of a TFRecord split, read by Grain
+    (`reader` auto/grain) or tf.data (`tfdata`); packing and batching follow, shared."""
+    if reader not in READERS:
+        raise DataError(f"data.reader={reader!r} is unknown; use one of {READERS}")
+    paths = host_shards(info, split, process_index, process_count)
+    if reader == "tfdata":
+        from input_pipeline.tfdata import TfDataRecords  # tfdata imports this module
+
+        if skip_corrupt:
+            raise DataError(
+                "data.skip_corrupt=true is not supported by data.reader=tfdata (tf.data cannot "
+                "count what it skips); use data.reader=grain, or re-run prepare --overwrite"
+            )
+        if workers > 0:
+            raise DataError(
+                f"data.workers={workers} does not apply to data.reader=tfdata, which runs its "
+                "own parallel reads; set data.workers=0 or use data.reader=grain"
+            )
+        return TfDataRecords(paths, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
+    files = grain.MapDataset.source(paths)
+    if shuffle:
+        files = files.shuffle(seed=seed)  # a new file order every epoch
+    shards = files.repeat(num_epochs).map(
+        OpenShard(info.vocab_size, skip_corrupt, str(skip_log) if skip_log else None)
+    )
+    # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
+    # sees records in the same order as the ArrayRecord pipeline does.
+    records = grain.experimental.InterleaveIterDataset(
+        shards,
+        cycle_length=min(read_threads, len(paths)) if shuffle else 1,
+        iter_buffer_size=PREFETCH_RECORDS,
+    )
+    if shuffle:
+        records = grain.experimental.WindowShuffleIterDataset(
+            records, window_size=SHUFFLE_RECORDS, seed=seed
+        )
+    return records
+
+
+class OpenShard(grain.transforms.Map):
+    """Shard path -> a dataset of its parsed records (picklable, for Grain worker processes)."""
+
+    def __init__(self, vocab_size: int, skip_corrupt: bool, skip_log: str | None):
+        self.vocab_size = vocab_size
+        self.skip_corrupt = skip_corrupt
+        self.skip_log = skip_log
+
+    def map(self, path: str) -> grain.IterDataset:
+        return TFRecordShard(path, self.vocab_size, self.skip_corrupt, self.skip_log)
+
+
+class TFRecordShard(grain.IterDataset):
+    """One shard through `grain.experimental.TFRecordIterDataset`, parsed to next-token pairs;
+    damage becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip."""
+
+    def __init__(self, path: str, vocab_size: int, skip_corrupt: bool, skip_log: str | None):
+        super().__init__()
+        self.path = path
+        self.vocab_size = vocab_size
+        self.skip_corrupt = skip_corrupt
+        self.skip_log = skip_log
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _ShardIterator(self)
+
+    def __str__(self) -> str:
+        return f"TFRecordShard({self.path})"
+
+
+class _ShardIterator(grain.DatasetIterator):
+    def __init__(self, shard: TFRecordShard):
+        super().__init__()
+        self._shard = shard
+        self._example = tensorflow().train.Example
+        try:
+            self._records = iter(grain.experimental.TFRecordIterDataset(shard.path))
+        except OSError as err:
+            raise DataError(_damaged(shard.path, err.strerror or str(err))) from None
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        while True:
+            offset = self._records.get_state()["reader_offset"]
+            try:
+                record = next(self._records)
+            except (ValueError, OverflowError, MemoryError):  # a cut or garbled length field
+                self._bad(offset, "truncated record or garbled length")
+                raise StopIteration from None  # the rest of the shard cannot be framed
+            tokens, problem = self._parse(record)
+            if problem is None:
+                return {"inputs": tokens[:-1], "targets": tokens[1:]}
+            self._bad(offset, problem)
+
+    def _parse(self, record: bytes) -> tuple[np.ndarray, str | None]:
+        try:
+            features = self._example.FromString(record).features.feature
+        except Exception:  # protobuf's DecodeError type differs between its implementations
+            return np.empty(0, np.int32), "unparsable tf.train.Example"
+        if FEATURE not in features:
+            return np.empty(0, np.int32), f"no int64 {FEATURE!r} feature"
+        tokens = np.array(features[FEATURE].int64_list.value, dtype=np.int64)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self._shard.vocab_size):
+            return tokens, f"token ids outside the vocabulary of {self._shard.vocab_size}"
+        return tokens.astype(np.int32), None
+
+    def _bad(self, offset: int, problem: str) -> None:
+        path = self._shard.path
+        if not self._shard.skip_corrupt:
+            raise DataError(_damaged(path, f"{problem} at byte {offset}"))
+        if self._shard.skip_log:
+            line = json.dumps({"shard": path, "offset": offset}) + "\n"
+            fd = os.open(self._shard.skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._records.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._records.set_state(state)
+
+
+def _damaged(path: str, reason: str) -> str:
+    return (
+        f"shard {path} is corrupt or truncated ({reason}); re-run python -m "
+        "input_pipeline.prepare --format tfrecord --overwrite, or set data.skip_corrupt=true "
+        "(data.reader=grain) to skip unreadable records"
+    )

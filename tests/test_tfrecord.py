@@ -1,0 +1,219 @@
+"""TFRecord data: prepared like ArrayRecord, read by Grain or tf.data into the same batches,
+split between hosts, resumed exactly, and damaged shards named."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from input_pipeline import tfdata
+from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.errors import DataError
+from input_pipeline.pipeline import make_batch_iterator
+from input_pipeline.prepare import main as prepare_main
+from input_pipeline.prepare import prepare_dataset
+from input_pipeline.records import count_skipped
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+READERS = ["grain", "tfdata"]
+
+
+def documents(n=60, seed=0):
+    """Documents of very different lengths, some cut into several records."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "import", "return", "self", "(", ")", ":"]
+    return [
+        f"doc {i}\n" + " ".join(rng.choice(words, size=int(rng.integers(3, 400)))) for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """The same corpus prepared in both formats."""
+    root = tmp_path_factory.mktemp("formats")
+    kw = dict(eval_fraction=0.1, num_shards=3, max_record_tokens=512, progress=False)
+    prepare_dataset(documents(), root / "ar", format="arrayrecord", **kw)
+    prepare_dataset(documents(), root / "tf", format="tfrecord", **kw)
+    return load_dataset_info(root / "ar"), load_dataset_info(root / "tf")
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def same(a, b):
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def records_read(info, reader="auto", shuffle=True, index=0, count=1):
+    """Every record of one epoch, rebuilt from packed rows (one record never spans rows)."""
+    it = make_batch_iterator(
+        info,
+        "train",
+        seq_len=512,
+        batch_size=2,
+        packing="first_fit",
+        shuffle=shuffle,
+        seed=7,
+        num_epochs=1,
+        reader=reader,
+        process_index=index,
+        process_count=count,
+    )
+    seen = []
+    for batch in it:
+        for row, segments in enumerate(batch["segment_ids"]):
+            for s in range(1, segments.max() + 1):
+                inside = segments == s
+                tokens = [*batch["inputs"][row][inside], batch["targets"][row][inside][-1]]
+                seen.append(bytes(np.asarray(tokens, np.uint8)))
+    return seen
+
+
+def test_prepare_writes_tfrecord_shards_with_the_same_counts(datasets):
+    ar, tf = datasets
+    assert tf.raw["format"] == "tfrecord" and ar.raw["format"] == "arrayrecord"
+    for split in ("train", "eval"):
+        shards = tf.split(split)["shards"]
+        assert all(s["file"].endswith(f"-of-{len(shards):05d}.tfrecord") for s in shards)
+        strip = [{k: v for k, v in s.items() if k not in ("file", "sha256")} for s in shards]
+        assert strip == [
+            {k: v for k, v in s.items() if k not in ("file", "sha256")}
+            for s in ar.split(split)["shards"]
+        ]
+    tf.verify_checksums()
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_both_formats_give_the_same_records_and_unshuffled_batches(datasets, reader):
+    ar, tf = datasets
+    expected = records_read(ar)
+    assert sorted(records_read(tf, reader)) == sorted(expected)  # same multiset, shuffled
+    assert len(expected) == ar.num_records("train")
+    kw = dict(seq_len=48, batch_size=4, shuffle=False)
+    unshuffled = take(make_batch_iterator(tf, "train", reader=reader, **kw), 12)
+    assert all(
+        same(x, y)
+        for x, y in zip(unshuffled, take(make_batch_iterator(ar, "train", **kw), 12), strict=True)
+    )
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_same_seed_same_batches_other_seed_differs(datasets, reader):
+    _, tf = datasets
+    kw = dict(seq_len=32, batch_size=4, reader=reader)
+    a = take(make_batch_iterator(tf, "train", seed=1, **kw), 5)
+    b = take(make_batch_iterator(tf, "train", seed=1, **kw), 5)
+    c = take(make_batch_iterator(tf, "train", seed=2, **kw), 5)
+    assert all(same(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(same(x, y) for x, y in zip(a, c, strict=True))
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_hosts_get_disjoint_shards_that_cover_the_split(datasets, reader):
+    _, tf = datasets
+    host0 = records_read(tf, reader, index=0, count=2)
+    host1 = records_read(tf, reader, index=1, count=2)
+    assert host0 and host1 and not set(host0) & set(host1)
+    assert sorted(host0 + host1) == sorted(records_read(tf, reader))
+    with pytest.raises(DataError, match="3 train shards for 4 readers.*--num-shards 4"):
+        make_batch_iterator(tf, "train", seq_len=8, batch_size=2, process_count=4, reader=reader)
+
+
+@pytest.mark.parametrize(
+    "reader, anchor_ratio",
+    [("grain", None), ("tfdata", 0), ("tfdata", 1e9)],  # tf.data: anchor every batch / never
+)
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_state_round_trip_gives_the_next_batch(
+    datasets, reader, anchor_ratio, shuffle, monkeypatch
+):
+    if anchor_ratio is not None:
+        monkeypatch.setattr(tfdata, "ANCHOR_COST_RATIO", anchor_ratio)
+        monkeypatch.setattr(tfdata, "PARSE_BATCH", 16)
+    _, tf = datasets
+    kw = dict(seq_len=128, batch_size=8, shuffle=shuffle, seed=3, reader=reader)
+    it = make_batch_iterator(tf, "train", **kw)
+    take(it, tf.num_tokens("train") // (128 * 8) + 5)  # the state is past an epoch boundary
+    state = json.loads(json.dumps(it.get_state()))  # as stored in a checkpoint
+    if anchor_ratio is not None:  # restored from a fresh anchor, or re-reading many records
+        replayed = found(state, "records_after")
+        assert replayed < 16 if anchor_ratio == 0 else replayed > tf.num_records("train")
+    expected = take(it, 3)
+    fresh = make_batch_iterator(tf, "train", **kw)
+    fresh.set_state(state)
+    assert all(same(x, y) for x, y in zip(take(fresh, 3), expected, strict=True))
+
+
+def found(state, key):
+    """The value of `key` somewhere in a nested iterator state."""
+    if isinstance(state, dict):
+        if key in state:
+            return state[key]
+        state = list(state.values())
+    if isinstance(state, list):
+        hits = [found(x, key) for x in state]
+        return next((h for h in hits if h is not None), None)
+    return None
+
+
+def damaged_copy(info, tmp_path, truncate):
+    copy = tmp_path / "damaged"
+    shutil.copytree(info.path, copy)
+    shard = sorted(copy.glob("train-00001-*"))[0]
+    data = bytearray(shard.read_bytes())
+    if truncate:
+        data = data[: len(data) // 2]
+    else:
+        for i in range(200, len(data) // 2):
+            data[i] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    return load_dataset_info(copy), shard
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("truncate", [True, False])
+def test_damaged_shard_names_the_file_and_the_fix(datasets, tmp_path, reader, truncate):
+    info, shard = damaged_copy(datasets[1], tmp_path, truncate)
+    it = make_batch_iterator(info, "train", seq_len=64, batch_size=4, shuffle=False, reader=reader)
+    with pytest.raises(DataError, match=rf"shard .*{shard.name} is corrupt or truncated.*--over"):
+        take(it, 400)
+
+
+def test_skip_corrupt_reads_past_a_truncated_shard(datasets, tmp_path):
+    info, _ = damaged_copy(datasets[1], tmp_path, truncate=True)
+    log = tmp_path / "skipped.jsonl"
+    kw = dict(seq_len=64, batch_size=4, shuffle=False, skip_corrupt=True, skip_log=log)
+    batches = list(make_batch_iterator(info, "train", num_epochs=1, **kw))
+    full = list(make_batch_iterator(datasets[1], "train", num_epochs=1, **kw))
+    assert 0 < len(batches) < len(full)
+    assert count_skipped(log) == 1
+    with pytest.raises(DataError, match="skip_corrupt=true is not supported by data.reader=tfd"):
+        make_batch_iterator(info, "train", reader="tfdata", **kw)
+
+
+def test_bad_settings_and_missing_shards_name_the_fix(datasets, tmp_path):
+    ar, tf = datasets
+    with pytest.raises(DataError, match="reader=tfdata reads TFRecord.*--format tfrecord"):
+        make_batch_iterator(ar, "train", seq_len=8, batch_size=2, reader="tfdata")
+    with pytest.raises(ConfigError, match="data.reader"):
+        load_config(None, ["data.reader=tfrecord"])
+    copy = tmp_path / "copy"
+    shutil.copytree(tf.path, copy)
+    next(copy.glob("train-00002-*")).unlink()
+    with pytest.raises(DataError, match=r"train-00002-of-00003\.tfrecord .* is missing"):
+        make_batch_iterator(load_dataset_info(copy), "train", seq_len=8, batch_size=2)
+
+
+def test_prepare_cli_writes_tfrecord(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "one document"}\n{"text": "and another"}\n')
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "*.jsonl"), "--output", str(out), "--eval-fraction", "0"]
+    assert prepare_main([*args, "--format", "tfrecord"]) == 0
+    info = load_dataset_info(out)
+    assert info.format == "tfrecord" and info.num_records("train") == 2
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["dataset.json", *(f"train-0000{i}-of-00002.tfrecord" for i in range(2))]
+    assert "error" not in capsys.readouterr().err
