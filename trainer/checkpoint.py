@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from input_pipeline.streams import is_stream_state
 from trainer.config import CheckpointConfig
 from trainer.errors import TrainingError
 from trainer.state import TrainState
@@ -32,14 +33,8 @@ class DataStateSnapshot:
     def __init__(self, state: dict[str, Any] | None = None):
         self.state = state
 
-    def get_state(self) -> bytes:
+    def get_state(self) -> bytes:  # restored by `read_data_state`, which merges processes
         return json.dumps(self.state).encode()
-
-    def set_state(self, state: bytes) -> None:
-        self.state = json.loads(state)
-
-    def start_prefetch(self) -> None:  # called by Grain's handler after a restore
-        pass
 
 
 def _train_part(state: TrainState) -> dict[str, Any]:
@@ -161,7 +156,6 @@ class Checkpointer:
             args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(target.params),
                 train=ocp.args.StandardRestore(_train_part(target)),
-                data=grain.checkpoint.CheckpointRestore(DataStateSnapshot()),
             ),
         )
         train = restored.train
@@ -171,7 +165,7 @@ class Checkpointer:
             model_state=train["model_state"],
             opt_state=train["opt_state"],
         )
-        return state, restored.data.state
+        return state, read_data_state(self.directory / str(step) / "data")
 
     def restore_params(self, step: int, target_params: Any) -> Any:
         """Parameters only (fine-tuning from another run, export)."""
@@ -208,6 +202,27 @@ class Checkpointer:
                 self.manager.wait_until_finished()
             finally:
                 self.manager.close()
+
+
+def read_data_state(folder: Path) -> Any:
+    """This process's data position from the per-process files Grain's handler wrote.
+
+    Same process count: its own file. Another count: the union of every process's per-stream
+    positions (`input_pipeline.streams`), from which each process picks the streams it now owns.
+    """
+    index, count = jax.process_index(), jax.process_count()
+    own = folder / f"process_{index}-of-{count}.json"
+    if own.exists():
+        return json.loads(own.read_text())
+    saved = sorted(folder.glob("process_*-of-*.json"))
+    states = [json.loads(path.read_text()) for path in saved]
+    if not states or not all(is_stream_state(s) for s in states):
+        raise TrainingError(
+            f"{folder} holds the data position of {len(saved)} other processes, which cannot be "
+            f"split over {count}; resume with the process count that wrote it"
+        )
+    positions = {k: v for state in states for k, v in state["positions"].items()}
+    return {"streams": states[0]["streams"], "positions": positions}
 
 
 DISK_FULL = ("No space left on device", "os_error_code='28'", "[Errno 28]")

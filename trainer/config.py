@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.errors import ConfigError
 
@@ -37,8 +37,12 @@ class DataConfig(_Section):
     read_threads: int = Field(4, ge=1)
     workers: int = Field(0, ge=0)
     prefetch: int = Field(2, ge=1)
+    reader: Literal["auto", "grain", "tfdata"] = "auto"  # TFRecord: auto = grain, or tf.data
     skip_corrupt: bool = False
     verify_checksums: bool = True  # sha256 of every shard at start; false for huge datasets
+    # Independent input streams per global batch (fixed = same batches on any process count);
+    # unset: the process count of the run's first start, kept on resume.
+    streams: int | None = Field(None, ge=1)
 
 
 class ModelConfig(_Section):
@@ -124,6 +128,26 @@ class LogConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
     peak_tflops: float | None = Field(None, gt=0)
+    # JAX profiler trace of steps start..end-1 (like range) into <workdir>/profile/
+    profile_steps: tuple[int, int] | None = None
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _profile_window(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        pair = list(value) if isinstance(value, list | tuple) else None
+        if not (pair and len(pair) == 2 and all(type(v) is int for v in pair)):
+            raise ValueError(
+                f"log.profile_steps={value!r} is not two step numbers; use [start, end], "
+                "e.g. [10, 12] to trace steps 10 and 11"
+            )
+        if not 1 <= pair[0] < pair[1]:
+            raise ValueError(
+                f"log.profile_steps={pair} needs 1 <= start < end; e.g. [10, 12] traces "
+                "steps 10 and 11"
+            )
+        return tuple(pair)
 
 
 class EvalConfig(_Section):

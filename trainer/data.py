@@ -17,6 +17,7 @@ from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.records import count_skipped
+from input_pipeline.streams import StreamBatches
 from trainer.config import Config
 from trainer.errors import ConfigError
 
@@ -34,14 +35,19 @@ class DataSources:
     skipped_records: Callable[[], int] | None = None  # unreadable records dropped so far
 
 
-def host_batch_size(config: Config) -> int:
-    processes = jax.process_count()
-    if config.data.global_batch_size % processes:
+def stream_count(config: Config) -> int:
+    """`data.streams`, or one stream per process (kept on resume, see `StreamBatches`)."""
+    return config.data.streams or jax.process_count()
+
+
+def rows_per_stream(config: Config, streams: int) -> int:
+    if config.data.global_batch_size % streams:
         raise ConfigError(
             f"data.global_batch_size={config.data.global_batch_size} is not divisible by "
-            f"{processes} processes; use a multiple of {processes}"
+            f"{streams} data streams (data.streams, or the process count); use a multiple of "
+            f"{streams}"
         )
-    return config.data.global_batch_size // processes
+    return config.data.global_batch_size // streams
 
 
 def load_dataset(config: Config) -> DatasetInfo:
@@ -58,24 +64,41 @@ def load_dataset(config: Config) -> DatasetInfo:
     return info
 
 
-def lm_batches(config: Config, info: DatasetInfo, split: str):
-    """This host's packed token batches of a prepared dataset split."""
+def lm_batches(
+    config: Config, info: DatasetInfo, split: str, streams: int | None = None
+) -> StreamBatches:
+    """This host's rows of every packed global batch of a prepared dataset split, read as
+    `streams` streams (default `stream_count(config)`)."""
     training = split == "train"
-    return make_batch_iterator(
-        info,
-        split,
-        seq_len=config.data.seq_len,
-        batch_size=host_batch_size(config),
-        packing=config.data.packing,
-        shuffle=config.data.shuffle and training,
-        seed=config.run.seed,
-        num_epochs=None if training else 1,
-        read_threads=config.data.read_threads,
-        workers=config.data.workers if training else 0,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        skip_corrupt=config.data.skip_corrupt,
-        skip_log=skip_log_path(config),
+
+    def open_stream(index: int, count: int):
+        return make_batch_iterator(
+            info,
+            split,
+            seq_len=config.data.seq_len,
+            batch_size=rows_per_stream(config, count),
+            packing=config.data.packing,
+            shuffle=config.data.shuffle and training,
+            seed=config.run.seed,
+            num_epochs=None if training else 1,
+            read_threads=config.data.read_threads,
+            workers=config.data.workers if training else 0,
+            process_index=index,
+            process_count=count,
+            skip_corrupt=config.data.skip_corrupt,
+            skip_log=skip_log_path(config),
+            reader=config.data.reader,
+        )
+
+    streams = streams or stream_count(config)
+    rows_per_stream(config, streams)  # fail before any reader starts
+    return StreamBatches(
+        open_stream,
+        streams,
+        jax.process_index(),
+        jax.process_count(),
+        pinned=config.data.streams is not None,
+        pad_exhausted=not training,
     )
 
 
@@ -86,9 +109,11 @@ def skip_log_path(config: Config) -> Path:
 
 def dataset_sources(config: Config) -> DataSources:
     info = load_dataset(config)
+    train = lm_batches(config, info, "train")
     return DataSources(
-        train=lm_batches(config, info, "train"),
-        make_eval=lambda: lm_batches(config, info, "eval"),
+        train=train,
+        # as many streams as training uses, which a resumed run may take from its checkpoint
+        make_eval=lambda: lm_batches(config, info, "eval", train.streams),
         description=str(info.path),
         fingerprint=info.fingerprint,
         vocab_size=info.vocab_size,

@@ -38,9 +38,13 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_yaml(), end="")
             return 0
         from trainer.distributed import maybe_initialize
+
+        maybe_initialize()  # before any other JAX call (and before importing the trainer)
+        from absl import flags
+
+        flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read absl flags
         from trainer.train import run  # heavy imports only when training
 
-        maybe_initialize()  # before any other JAX call
         result = run(config)
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,6 +39,8 @@ class MetricsWriter:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._total = total_steps
+        self._pace: tuple[float, int] | None = None  # (time, step) of the first line: ETA base
         if not enabled:
             return
         workdir = Path(workdir)
@@ -79,7 +82,22 @@ class MetricsWriter:
             else:
                 self._bar.write(f"step {step}: {text}")
         else:
+            if "loss" in row:
+                text += f" eta={self._eta(step, row.get('step_time_s'))}"
             print(f"step {step}: {text}", file=self.stream, flush=True)
+
+    def _eta(self, step: int, step_time_s: Any) -> str:
+        """Remaining time at the pace since the first line (which paid for the compile); on the
+        first line, at the pace of its own step."""
+        now = time.perf_counter()
+        self._pace = self._pace or (now, step)
+        if step > self._pace[1]:
+            per_step = (now - self._pace[0]) / (step - self._pace[1])
+        elif isinstance(step_time_s, int | float):
+            per_step = step_time_s
+        else:
+            return "?"
+        return _duration(per_step * max(self._total - step, 0))
 
     def message(self, text: str) -> None:
         """A log line that does not break the progress bar."""
@@ -113,6 +131,12 @@ def _truncate_after(path: Path, step: int) -> None:
         if line.endswith("\n") and row.get("step", 0) <= step:
             kept.append(line)
     path.write_text("".join(kept))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _short(value: Any) -> str:

@@ -1,33 +1,60 @@
 """Clean stops: the first SIGTERM or SIGINT asks the loop to finish the current step, save, and
-exit 0; a second SIGINT aborts at once (KeyboardInterrupt)."""
+exit 0; a second SIGINT aborts at once (KeyboardInterrupt).
+
+With several processes, every one must stop after the same step: a host that alone saw the
+signal would save and leave while the others wait for it in the next collective, forever. So
+there SIGTERM is left to JAX's preemption service (`jax.distributed` installs its handler), which
+tells every process the same step to stop at; SIGINT is turned into a SIGTERM to join it.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
+import jax
+from jax.experimental import multihost_utils
+
 
 class StopRequest:
-    """A context manager that turns termination signals into a flag the loop polls each step."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    """A context manager that turns termination signals into a decision the loop takes once per
+    step (`at_step`), identical on every process."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._stopping = False
+        self._multihost = jax.process_count() > 1
         self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
-        return self.signal_name is not None
+        """Whether the loop decided (at the last `at_step`) to save and stop."""
+        return self._stopping
+
+    def at_step(self, step: int) -> bool:
+        """Decide whether `step` is the last one; call it exactly once per step on every process."""
+        if self._stopping:
+            return True
+        if self._multihost:
+            self._stopping = multihost_utils.reached_preemption_sync_point(step)
+            if self._stopping and self.signal_name is None:
+                self.signal_name = "SIGTERM"  # seen by JAX's notifier here or on another host
+        else:
+            self._stopping = self.signal_name is not None
+        return self._stopping
 
     def _handle(self, signum: int, _frame) -> None:
-        if self.requested and signum == signal.SIGINT:
+        if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt("second SIGINT: aborting without saving")
         self.signal_name = signal.Signals(signum).name
+        if self._multihost:
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals need the main thread
-            for sig in self.SIGNALS:
+            handled = (signal.SIGINT,) if self._multihost else (signal.SIGTERM, signal.SIGINT)
+            for sig in handled:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

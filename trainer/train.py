@@ -23,9 +23,11 @@ from trainer.config import Config
 from trainer.data import DataSources, dataset_sources, user_sources
 from trainer.errors import ConfigError, TrainingError
 from trainer.flops import device_peak_tflops, flops_per_token
+from trainer.goodput import Goodput, format_summary, session_summary, write_summary
 from trainer.metrics import MetricsWriter
 from trainer.models import build_model
 from trainer.preemption import StopRequest
+from trainer.profiling import ProfileWindow
 from trainer.program import TrainProgram, build_program
 from trainer.state import TrainState
 from trainer.step import LossFn, next_token_loss
@@ -139,6 +141,13 @@ def run(
     (loss, aux)`), `data` (a Grain dataset or any iterable of numpy batch dicts, this host's rows)
     and `eval_data` (re-iterable, or a callable returning a fresh iterable).
     """
+    with Goodput() as goodput:  # counts this session's compiles while open
+        return _run(config, goodput, model, loss_fn, data, eval_data)
+
+
+def _run(
+    config: Config, goodput: Goodput, model: Any, loss_fn: LossFn, data: Any, eval_data: Any
+) -> RunResult:
     workdir = Path(config.run.workdir)
     primary = jax.process_index() == 0
     mesh = sharding.make_mesh(config.mesh)
@@ -162,7 +171,8 @@ def run(
             ) from None
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
     train_iter = sources.train
-    state, start_step = restore_or_init(config, checkpointer, program, train_iter)
+    with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
+        state, start_step = restore_or_init(config, checkpointer, program, train_iter)
     writer = MetricsWriter(
         workdir,
         total_steps=config.run.steps,
@@ -191,10 +201,19 @@ def run(
         run_metadata(config, sources, state.params),
         flops_per_token=flops_per_token(config, program.num_params, vocab_size or 0, builtin),
         peak_tflops=device_peak_tflops(config.log.peak_tflops),
+        goodput=goodput,
     )
     try:
         with jax.set_mesh(mesh):
-            return loop.train(state, start_step, train_iter)
+            result = loop.train(state, start_step, train_iter)
+        with goodput.timing("checkpoint"):
+            checkpointer.wait()  # saves still being written hold up the end of the run
+        if primary:
+            summary = loop.summary(start_step, result)
+            writer.message(format_summary(summary))
+            if problem := write_summary(workdir, summary):
+                writer.message(problem)
+        return result
     finally:
         checkpointer.close()
         writer.close()
@@ -245,6 +264,7 @@ class Loop:
     peak_tflops: float | None = None  # per device; None when the device kind is unknown
     skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
     items_per_step: int = 0  # tokens (or examples) in one global batch, read off the first one
+    goodput: Goodput = field(default_factory=Goodput)  # where the wall time goes
 
     def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
         config, total = self.config, self.config.run.steps
@@ -259,10 +279,13 @@ class Loop:
         pending = None  # (step, device metrics, step wall time, data wait) of the previous step
         tick = time.perf_counter()
         feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
-        with feed, StopRequest() as stop:
+        profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
+        timing = self.goodput.timing
+        with feed, StopRequest() as stop, profile:
             for step in range(start_step + 1, total + 1):
                 try:
-                    batch, data_state = next(feed)
+                    with timing("data_wait"):
+                        batch, data_state = next(feed)
                 except StopIteration:
                     raise TrainingError(
                         f"the training data ran out before step {step}; repeat it (e.g. "
@@ -270,31 +293,52 @@ class Loop:
                     ) from None
                 wait_s = feed.last_wait_s
                 self.items_per_step = self.items_per_step or _items_in(batch)
-                state, metrics = self.program.train_step(state, batch)  # runs while we log t-1
-                if pending is not None:
-                    self._record(pending, window, result)
+                profile.before_step(step, state)
+                with timing("step"):
+                    state, metrics = self.program.train_step(state, batch)  # runs while we log t-1
+                    if pending is not None:
+                        self._record(pending, window, result)
+                profile.after_step(step, metrics)
                 now = time.perf_counter()
                 step_time, tick = now - tick, now
-                if step % config.checkpoint.every == 0 or step == total or stop.requested:
-                    self._check_finite(step, jax.device_get(metrics))  # never save a NaN state
-                    blocked = self.checkpointer.save(step, state, data_state, self.meta)
+                if stop.at_step(step) or step % config.checkpoint.every == 0 or step == total:
+                    with timing("step"):  # waiting for the step's result is step time
+                        self._check_finite(step, jax.device_get(metrics))  # never save a NaN
+                    with timing("checkpoint"):
+                        blocked = self.checkpointer.save(step, state, data_state, self.meta)
                     metrics = {**metrics, "ckpt_block_s": blocked}
                 pending = (step, metrics, step_time, wait_s)
                 evaluating = step % config.eval.every == 0 or step == total
                 if evaluating and self.sources.make_eval is not None:
-                    result.eval_loss = evaluate(config, self.sources, self.program, state)
+                    with timing("eval"):
+                        result.eval_loss = evaluate(config, self.sources, self.program, state)
                     self.writer.write(step, {"eval_loss": result.eval_loss})
                 if stop.requested:
                     break
-            self._record(pending, window, result, force=True)
+            with timing("step"):
+                self._record(pending, window, result, force=True)
         result.state, result.step = state, step
         if stop.requested:
-            self.checkpointer.wait()
+            with timing("checkpoint"):
+                self.checkpointer.wait()
             self.writer.message(
                 f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
                 f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
             )
         return result
+
+    def summary(self, start_step: int, result: RunResult) -> dict[str, Any]:
+        """This session's goodput breakdown, throughput, MFU and peak memory."""
+        return session_summary(
+            self.goodput,
+            start_step=start_step,
+            end_step=result.step,
+            items_per_step=self.items_per_step,
+            flops_per_token=self.flops_per_token,
+            peak_tflops=self.peak_tflops,
+            last_metrics=result.last_metrics,
+            eval_loss=result.eval_loss,
+        )
 
     def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
         if self.config.optim.skip_nonfinite:
@@ -338,6 +382,7 @@ class Loop:
             row["corrupt_records_skipped"] = self.sources.skipped_records()
         if "ckpt_block_s" in metrics:
             row["ckpt_block_s"] = metrics["ckpt_block_s"]
+        row.update(self.goodput.metrics())
         window.clear()
         self.writer.write(step, row)
         result.last_metrics = row

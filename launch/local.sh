@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# N training processes on this machine, joined by JAX's own distributed runtime (Gloo on CPU,
+# NCCL on GPU): for a multi-GPU node, and for testing multi-host code on a laptop.
+#
+#   launch/local.sh N [--config configs/tiny.yaml] [section.key=value ...]
+#
+# Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N and its
+# JAX_PROCESS_ID, then runs `python -m trainer.main` with the remaining arguments. Devices:
+#   gpu: the GPUs nvidia-smi lists, split evenly (CUDA_VISIBLE_DEVICES), e.g. one GPU each;
+#   cpu: LOCAL_CPU_DEVICES fake CPU devices split evenly (XLA_FLAGS), e.g. 2 x 4 for 8.
+# The launcher waits for all of them. When one exits non-zero it stops the others (SIGTERM, then
+# SIGKILL after LOCAL_KILL_GRACE_S) and exits with that status; re-running the same command
+# resumes from the latest checkpoint. SIGTERM to the launcher goes to every process, and Ctrl-C
+# reaches them from the terminal: they agree on a step, save, and stop.
+#
+# Knobs (environment):
+#   PYTHON               interpreter (default: python)
+#   LOCAL_DEVICE         cpu | gpu (default: gpu when nvidia-smi lists at least N GPUs)
+#   LOCAL_CPU_DEVICES    total fake CPU devices, a multiple of N (default: 8)
+#   JAX_COORDINATOR_PORT coordinator port on 127.0.0.1 (default: a free one)
+#   LOCAL_KILL_GRACE_S   seconds between SIGTERM and SIGKILL when one process failed (default: 10)
+# Only sets variables and starts processes: install the project first (see README.md).
+set -uo pipefail
+
+usage() {
+  echo "usage: launch/local.sh N [--config FILE] [section.key=value ...]" >&2
+  exit 2
+}
+[[ $# -ge 1 && $1 =~ ^[1-9][0-9]*$ ]] || usage
+num_processes=$1
+shift
+python=${PYTHON:-python}
+grace=${LOCAL_KILL_GRACE_S:-10}
+
+device=${LOCAL_DEVICE:-}
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+fi
+if [[ -z $device ]]; then
+  if ((gpus >= num_processes)); then device=gpu; else device=cpu; fi
+fi
+case $device in
+  gpu)
+    if ((gpus < num_processes)); then
+      echo "local.sh: LOCAL_DEVICE=gpu but $gpus GPUs for $num_processes processes" >&2
+      exit 2
+    fi
+    per_process=$((gpus / num_processes)) ;;
+  cpu)
+    cpu_devices=${LOCAL_CPU_DEVICES:-8}
+    if ((cpu_devices % num_processes)); then
+      echo "local.sh: LOCAL_CPU_DEVICES=$cpu_devices does not split over $num_processes" \
+        "processes; use a multiple of $num_processes" >&2
+      exit 2
+    fi
+    per_process=$((cpu_devices / num_processes))
+    # Our device count replaces any inherited one (pytest's conftest sets 8).
+    xla_flags=$(sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g' <<<"${XLA_FLAGS:-}")
+    export XLA_FLAGS="$xla_flags --xla_force_host_platform_device_count=$per_process"
+    export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} ;;
+  *) echo "local.sh: LOCAL_DEVICE=$device is neither cpu nor gpu" >&2; exit 2 ;;
+esac
+
+free_port='import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+port=${JAX_COORDINATOR_PORT:-$("$python" -c "$free_port")}
+export JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$num_processes
+
+pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+trap ':' INT # Ctrl-C reaches every process from the terminal; the launcher waits for them
+for ((i = 0; i < num_processes; i++)); do
+  if [[ $device == gpu ]]; then
+    visible=$(seq -s, $((i * per_process)) $(((i + 1) * per_process - 1)))
+    CUDA_VISIBLE_DEVICES=$visible JAX_PROCESS_ID=$i "$python" -m trainer.main "$@" &
+  else
+    JAX_PROCESS_ID=$i "$python" -m trainer.main "$@" &
+  fi
+  pids+=($!)
+done
+echo "local.sh: $num_processes processes (${pids[*]}) on $device, $per_process device(s) each," \
+  "coordinator $JAX_COORDINATOR_ADDRESS" >&2
+
+status=0
+running=("${pids[@]}")
+while ((${#running[@]})); do
+  finished=""
+  wait -n -p finished "${running[@]}"
+  rc=$?
+  [[ -n ${finished:-} ]] || continue # a trapped signal interrupted the wait
+  running=($(printf '%s\n' "${running[@]}" | grep -vx "$finished"))
+  if ((rc != 0 && status == 0)); then
+    status=$rc
+    echo "local.sh: process $finished exited with status $rc; stopping the others" >&2
+    if ((${#running[@]})); then
+      kill -TERM "${running[@]}" 2>/dev/null
+      (sleep "$grace" && kill -KILL "${running[@]}") >/dev/null 2>&1 &
+      killer=$!
+    fi
+  fi
+done
+[[ -n ${killer:-} ]] && kill "$killer" 2>/dev/null
+exit "$status"

@@ -1,0 +1,464 @@
+"""Multi-host on JAX's own runtime, for real: 2 processes x 4 CPU devices (Gloo) against 1 process
+x 8 devices, checkpoints crossing process counts, a SIGKILLed peer, the launchers' contracts.
+
+Losses are compared at `RTOL` relative: float32 compute, and the only difference between the runs
+is the order in which the cross-process all-reduce adds the gradients (seen: ~1e-7).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import TINY
+
+from input_pipeline.errors import DataError
+from input_pipeline.streams import StreamBatches
+from trainer.config import load_config
+from trainer.distributed import ClusterSpec, cluster_from_env
+from trainer.errors import ConfigError
+from trainer.train import run
+
+RTOL = 1e-5
+STEPS = 6
+# Two data streams: the same global batches on 1 or 2 processes. Checkpoints at 3 and 6.
+MULTIHOST = [
+    *TINY,
+    f"run.steps={STEPS}",
+    "optim.decay_steps=100",
+    "checkpoint.every=3",
+    "checkpoint.keep=50",
+    f"eval.every={STEPS}",
+    "precision.compute=float32",
+    "data.streams=2",
+    "log.tensorboard=false",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def run_args(corpus: Path, workdir: Path, *extra: str) -> list[str]:
+    return [*MULTIHOST, f"data.path={corpus}", f"run.workdir={workdir}", *extra]
+
+
+def train_in_process(repo_root: Path, corpus: Path, workdir: Path, *extra: str):
+    """One process, the 8 fake devices of conftest.py, through the library."""
+    return run(load_config(repo_root / "configs/tiny.yaml", run_args(corpus, workdir, *extra)))
+
+
+def single_process_baseline(tmp_path_factory, repo_root: Path, corpus: Path) -> Path:
+    """The reference run (1 process x 8 devices), trained once per session and shared with
+    test_slurm.py through the session's temporary folder."""
+    workdir = tmp_path_factory.getbasetemp() / "multihost-baseline"
+    done = workdir / "done"
+    if not done.exists():
+        shutil.rmtree(workdir, ignore_errors=True)
+        train_in_process(repo_root, corpus, workdir)
+        done.write_text("")
+    return workdir
+
+
+def metrics_of(workdir: Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses_of(workdir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics_of(workdir) if "loss" in r}
+
+
+def eval_losses_of(workdir: Path) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in metrics_of(workdir) if "eval_loss" in r}
+
+
+def assert_losses_match(got: Path, want: Path, steps) -> None:
+    got_losses, want_losses = losses_of(got), losses_of(want)
+    np.testing.assert_allclose(
+        [got_losses.get(s, np.nan) for s in steps],
+        [want_losses[s] for s in steps],
+        rtol=RTOL,
+        err_msg=f"losses of steps {list(steps)}: {got} vs {want}",
+    )
+
+
+def saved_steps(workdir: Path) -> list[int]:
+    """Complete checkpoints (Orbax renames a step folder into place once it is finished)."""
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def copy_checkpoint(src: Path, step: int, dst: Path) -> None:
+    shutil.copytree(src / "checkpoints" / str(step), dst / "checkpoints" / str(step))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compile_cache(tmp_path_factory) -> dict[str, str]:
+    """A persistent compilation cache for this session's 2-process runs, which all run the same
+    programs on the same 2 x 4 devices: only the first one compiles (saves ~20 s a run here)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """This environment minus conftest's 8-device flag (launchers set the device split)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_"))}
+    env["XLA_FLAGS"] = " ".join(
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return {**env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def wait_for(done: Callable[[], bool], procs, logs: list[Path], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            tails = "\n".join(log.read_text()[-1500:] for log in logs)
+            pytest.fail(f"processes exited {dead} or timed out before the condition:\n{tails}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, repo_root, corpus) -> Path:
+    return single_process_baseline(tmp_path_factory, repo_root, corpus)
+
+
+# ----------------------------------------------------------------------------- real runs
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_stop_together_and_resume_on_one(
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root
+):
+    """launch/local.sh 2 trains on the baseline's batches; SIGTERM to one process (one host
+    preempted) stops both after the same step; its checkpoint resumes on one process."""
+    two, log_path = tmp_path / "two", tmp_path / "local.log"
+    cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
+    cmd += run_args(corpus, two, "run.steps=1000")
+    with log_path.open("w") as log:
+        env = cpu_env(**compile_cache(tmp_path_factory))
+        launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
+    try:
+        wait_for(lambda: max(losses_of(two), default=0) > STEPS, [launcher], [log_path], 300)
+        started = re.search(r"2 processes \((\d+) (\d+)\)", log_path.read_text())
+        os.kill(int(started[2]), signal.SIGTERM)
+        status = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    log = log_path.read_text()
+    assert status == 0, log[-3000:]
+    stopped = saved_steps(two)[-1]
+    assert f"stopped by SIGTERM at step {stopped}" in log
+    assert log.count(f"finished at step {stopped}") == 2, "both processes stopped after it"
+    assert [r["step"] for r in metrics_of(two) if "loss" in r] == list(range(1, stopped + 1)), (
+        "process 0 alone writes one metrics line per step"
+    )
+    assert_losses_match(two, baseline, range(1, STEPS + 1))
+    np.testing.assert_allclose(eval_losses_of(two)[STEPS], eval_losses_of(baseline)[STEPS], RTOL)
+
+    # Each process read its own stream and saved its own position.
+    data = two / "checkpoints" / "3" / "data"
+    for index in range(2):
+        state = json.loads((data / f"process_{index}-of-2.json").read_text())
+        assert state["streams"] == 2 and list(state["positions"]) == [str(index)]
+
+    # Written by 2 processes, resumed by 1: the same losses as the straight runs.
+    resumed = tmp_path / "two_then_one"
+    copy_checkpoint(two, 3, resumed)
+    train_in_process(repo_root, corpus, resumed, "data.streams=null")  # streams from checkpoint
+    assert sorted(losses_of(resumed)) == [4, 5, 6], "resumed at step 3"
+    assert_losses_match(resumed, baseline, range(4, STEPS + 1))
+    np.testing.assert_allclose(eval_losses_of(resumed)[STEPS], eval_losses_of(two)[STEPS], RTOL)
+
+
+@pytest.mark.slow
+def test_killed_process_stops_its_peer_and_the_rerun_resumes(
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, capsys
+):
+    """Two processes started by hand (no launcher to clean up after them) resume a checkpoint
+    written by one process; one is SIGKILLed; the runtime must end the other."""
+    workdir = tmp_path / "killed"
+    copy_checkpoint(baseline, 3, workdir)
+    cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+    cmd += run_args(corpus, workdir, "run.steps=1000", "eval.every=1000")
+    address = f"127.0.0.1:{free_port()}"
+    procs, logs = [], []
+    for index in range(2):
+        env = cpu_env(
+            **compile_cache(tmp_path_factory),
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            JAX_COORDINATOR_ADDRESS=address,
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(index),
+        )
+        logs.append(tmp_path / f"process{index}.log")
+        with logs[-1].open("w") as log:
+            procs.append(
+                subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log, text=True)
+            )
+    try:
+        wait_for(lambda: max(losses_of(workdir), default=0) >= 8, procs, logs, timeout=300)
+        procs[1].kill()
+        killed_at = time.monotonic()
+        status = procs[0].wait(timeout=120)
+        took = time.monotonic() - killed_at
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    with capsys.disabled():
+        print(f"\nsurvivor exited with status {status} {took:.1f} s after its peer was killed")
+    assert status != 0, logs[0].read_text()[-2000:]
+    assert took < 60
+    # Written by 1 process, resumed by 2: the same losses as the straight run.
+    assert_losses_match(workdir, baseline, range(4, STEPS + 1))
+
+    # The rerun (here: one process) resumes from the latest complete checkpoint.
+    before = losses_of(workdir)
+    latest = saved_steps(workdir)[-1]
+    assert latest >= 6
+    capsys.readouterr()
+    result = train_in_process(
+        repo_root, corpus, workdir, f"run.steps={latest + 2}", "eval.every=1000"
+    )
+    assert f"(step {latest})" in capsys.readouterr().err
+    assert result.step == latest + 2
+    after = losses_of(workdir)
+    kept = [s for s in before if s <= latest]  # lines up to the checkpoint stay as they were
+    assert kept and {s: after[s] for s in kept} == {s: before[s] for s in kept}
+    redone = [s for s in (latest + 1, latest + 2) if s in before]
+    np.testing.assert_allclose([after[s] for s in redone], [before[s] for s in redone], RTOL)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def test_local_launcher_sets_the_runtime_variables_and_stops_all_when_one_fails(
+    tmp_path, repo_root
+):
+    """launch/local.sh with a stand-in interpreter: process 1 fails, process 0 would run on."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = -c ] && exec {sys.executable} "$@"\n'  # the launcher's free-port probe
+        f'env | grep -E "^(JAX_|XLA_FLAGS)" > {tmp_path}/env.$JAX_PROCESS_ID\n'
+        '[ "$JAX_PROCESS_ID" = 1 ] && { sleep 1; exit 3; }\n'
+        f"echo $$ > {tmp_path}/pid.$JAX_PROCESS_ID\n"
+        "exec sleep 120\n"
+    )
+    fake.chmod(0o755)
+    env = cpu_env(PYTHON=str(fake), LOCAL_KILL_GRACE_S="5", LOCAL_DEVICE="cpu")
+    start = time.monotonic()
+    done = subprocess.run(
+        [str(repo_root / "launch/local.sh"), "2", "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert time.monotonic() - start < 20
+    with pytest.raises(ProcessLookupError):  # the survivor was stopped (and reaped)
+        os.kill(int((tmp_path / "pid.0").read_text()), 0)
+    seen = [
+        dict(line.split("=", 1) for line in (tmp_path / f"env.{i}").read_text().splitlines())
+        for i in range(2)
+    ]
+    assert [s["JAX_PROCESS_ID"] for s in seen] == ["0", "1"]
+    assert {s["JAX_NUM_PROCESSES"] for s in seen} == {"2"}
+    assert len({s["JAX_COORDINATOR_ADDRESS"] for s in seen}) == 1
+    assert seen[0]["JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
+    assert seen[0]["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4"]
+
+
+def test_kubernetes_manifest_gives_each_pod_what_the_runtime_needs(repo_root):
+    docs = list(yaml.safe_load_all((repo_root / "launch/k8s/trainer.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "Service")
+    job = next(d for d in docs if d["kind"] == "Job")
+    assert service["spec"]["clusterIP"] == "None", "a headless Service gives pods DNS names"
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    [container] = pod["containers"]
+    assert container["command"][:3] == ["python", "-m", "trainer.main"]
+    env = {e["name"]: e for e in container["env"]}
+
+    # Each pod's environment as Kubernetes fills it: the completion index from its annotation.
+    index_path = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == index_path
+    specs = [
+        cluster_from_env(
+            {name: e.get("value", str(index)) for name, e in env.items()}
+            | {"JOB_COMPLETION_INDEX": str(index)}
+        )
+        for index in range(spec["completions"])
+    ]
+    host, port = specs[0].coordinator_address.rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}", "pod 0's name"
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    assert int(port) in [p["containerPort"] for p in container["ports"]]
+    assert {s.num_processes for s in specs} == {spec["parallelism"]}
+    assert sorted(s.process_id for s in specs) == list(range(spec["completions"]))
+    assert len({s.coordinator_address for s in specs}) == 1
+
+
+def test_launch_scripts_only_set_variables_and_start_processes(repo_root):
+    for script in ["local.sh", "slurm.sbatch", "tpu_pod.sh"]:
+        text = (repo_root / "launch" / script).read_text()
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        assert not any(word in code for word in ("pip ", "apt-get", "conda ", "uv ")), script
+    sbatch = (repo_root / "launch/slurm.sbatch").read_text()
+    assert "srun" in sbatch and "-m trainer.main" in sbatch and "--config" in sbatch
+    assert "--worker=all" in (repo_root / "launch/tpu_pod.sh").read_text()
+
+
+# ----------------------------------------------------------------------------- distributed.py
+
+
+def test_cluster_from_environment():
+    explicit = {"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "4"}
+    assert cluster_from_env({}) is None
+    assert cluster_from_env({**explicit, "JAX_PROCESS_ID": "2"}) == ClusterSpec(
+        "explicit", "h0:1234", 4, 2
+    )
+    assert cluster_from_env({**explicit, "JOB_COMPLETION_INDEX": "3"}).process_id == 3
+    assert cluster_from_env({**explicit, "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) is None
+    timed = cluster_from_env({**explicit, "JAX_PROCESS_ID": "0", "JAX_HEARTBEAT_TIMEOUT_S": "7"})
+    assert timed.heartbeat_timeout_s == 7
+    slurm_step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
+    assert cluster_from_env(slurm_step) == ClusterSpec("slurm")
+    assert cluster_from_env({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}) is None, "batch script"
+    assert cluster_from_env({**slurm_step, "SLURM_STEP_NUM_TASKS": "1"}) is None
+    assert cluster_from_env({"JAX_DISTRIBUTED_AUTO": "1"}) == ClusterSpec("auto")
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"JAX_COORDINATOR_ADDRESS": "h0:1", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES is not"),
+        ({"JAX_COORDINATOR_ADDRESS": "h0:1", "JAX_NUM_PROCESSES": "2"}, "JAX_PROCESS_ID is not"),
+        ({"JAX_COORDINATOR_ADDRESS": "h0", "JAX_NUM_PROCESSES": "2"}, "has no port"),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "h0:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+            "outside 0..1",
+        ),
+        ({"JAX_COORDINATOR_ADDRESS": "h0:1", "JAX_NUM_PROCESSES": "two"}, "not an integer"),
+    ],
+)
+def test_bad_cluster_variables_are_one_line(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        cluster_from_env(environ)
+
+
+@pytest.mark.slow
+def test_unreachable_coordinator_fails_within_the_init_timeout(repo_root):
+    env = cpu_env(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",  # nobody listens there
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID="1",
+        JAX_INIT_TIMEOUT_S="2",
+    )
+    code = "from trainer.distributed import maybe_initialize; maybe_initialize(); print('joined')"
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "joined" not in done.stdout
+    assert "joining the cluster at 127.0.0.1:" in done.stderr
+    assert time.monotonic() - start < 30
+
+
+# ----------------------------------------------------------------------------- data streams
+
+
+class CountingStream:
+    """A stand-in Grain iterator: rows `100 * stream + batch number`, with a position."""
+
+    def __init__(self, stream: int, length: int | None = None):
+        self.stream, self.length, self.position = stream, length, 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.length is not None and self.position >= self.length:
+            raise StopIteration
+        value = 100 * self.stream + self.position
+        self.position += 1
+        return {"inputs": np.full((2, 3), value), "weights": np.ones((2, 3), np.float32)}
+
+    def get_state(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def global_batches(streams: int, processes: int, count: int, **kw) -> list[np.ndarray]:
+    """What `make_array_from_process_local_data` assembles: process 0's rows, then 1's..."""
+    per_process = [
+        StreamBatches(lambda s, n: CountingStream(s, **kw), streams, p, processes)
+        for p in range(processes)
+    ]
+    return [np.concatenate([next(b)["inputs"] for b in per_process]) for _ in range(count)]
+
+
+def test_global_batches_do_not_depend_on_the_process_count():
+    one = global_batches(4, 1, 3)
+    for processes in (2, 4):
+        other = global_batches(4, processes, 3)
+        assert all(np.array_equal(a, b) for a, b in zip(one, other, strict=True))
+    assert one[1][:, 0].tolist() == [1, 1, 101, 101, 201, 201, 301, 301]
+    with pytest.raises(DataError, match="do not split over 3 processes"):
+        StreamBatches(CountingStream, 4, 0, 3)
+
+
+def test_stream_positions_resume_on_another_process_count():
+    two = [StreamBatches(lambda s, n: CountingStream(s), 4, p, 2) for p in range(2)]
+    for batches in two:
+        next(batches), next(batches)
+    saved = [b.get_state() for b in two]
+    merged = {"streams": 4, "positions": saved[0]["positions"] | saved[1]["positions"]}
+
+    one = StreamBatches(lambda s, n: CountingStream(s), 1, 0, 1, pinned=False)
+    one.set_state(merged)  # adopts the checkpoint's 4 streams
+    assert one.streams == 4
+    assert next(one)["inputs"][:, 0].tolist() == [2, 2, 102, 102, 202, 202, 302, 302]
+    pinned = StreamBatches(lambda s, n: CountingStream(s), 2, 0, 1, pinned=True)
+    with pytest.raises(DataError, match="set data.streams=4"):
+        pinned.set_state(merged)
+
+
+def test_finished_eval_streams_pad_with_zero_weight_rows():
+    batches = StreamBatches(
+        lambda s, n: CountingStream(s, length=1 + s), 2, 0, 1, pad_exhausted=True
+    )
+    weights = [next(batches)["weights"][:, 0].tolist() for _ in range(3)]
+    assert weights == [[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
