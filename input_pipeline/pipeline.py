@@ -179,7 +179,10 @@ def arrayrecord_pairs(
         per_read=min(MAX_READ_RECORDS, max(1, round(READ_TOKENS / max(1.0, mean_tokens)))),
     )
     if reads.host_records == 0:
-        raise DataError(f"{info.path} {split} split has no records for host {process_index}")
+        raise DataError(
+            f"{info.path} {split} split has no records for data stream {process_index} of "
+            f"{process_count}; prepare more data or set a lower data.streams"
+        )
     # One read in flight per thread: Grain scans its buffer on every element, and each read
     # already holds many batches.
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_threads)
