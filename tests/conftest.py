@@ -8,6 +8,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import sysconfig  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -49,3 +50,22 @@ def corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "stdlib-small"
     prepare_dataset(texts, out, eval_fraction=0.05, progress=False)
     return out
+
+
+def documents(n=60, seed=0):
+    """Documents of very different lengths, each with a recognizable first line; the longer
+    ones are cut into several records at max_record_tokens=512."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "import", "return", "self", "(", ")", ":"]
+    return [
+        f"doc {i}\n" + " ".join(rng.choice(words, size=int(rng.integers(3, 400)))) for i in range(n)
+    ]
+
+
+def take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
+def same(a, b):
+    """Two batch dicts with equal arrays under every key."""
+    return all(np.array_equal(a[k], b[k]) for k in a)

@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import documents, same, take
 
 from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import load_dataset_info
@@ -18,15 +19,6 @@ from trainer import sharding
 from trainer.config import MeshConfig
 
 
-def documents(n=60, seed=0):
-    """Documents of very different lengths, each with a recognizable first line."""
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "import", "return", "self", "(", ")", ":"]
-    return [
-        f"doc {i}\n" + " ".join(rng.choice(words, size=int(rng.integers(3, 400)))) for i in range(n)
-    ]
-
-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "toy"
@@ -34,14 +26,6 @@ def dataset(tmp_path_factory):
         documents(), out, eval_fraction=0.1, num_shards=3, max_record_tokens=512, progress=False
     )
     return load_dataset_info(out)
-
-
-def take(iterator, n):
-    return [next(iterator) for _ in range(n)]
-
-
-def same(a, b):
-    return all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_prepare_writes_shards_counts_and_checksums(dataset):

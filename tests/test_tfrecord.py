@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import documents, same, take
 
 from input_pipeline import tfdata
 from input_pipeline.dataset_info import load_dataset_info
@@ -20,15 +21,6 @@ from trainer.errors import ConfigError
 READERS = ["grain", "tfdata"]
 
 
-def documents(n=60, seed=0):
-    """Documents of very different lengths, some cut into several records."""
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "import", "return", "self", "(", ")", ":"]
-    return [
-        f"doc {i}\n" + " ".join(rng.choice(words, size=int(rng.integers(3, 400)))) for i in range(n)
-    ]
-
-
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     """The same corpus prepared in both formats."""
@@ -37,14 +29,6 @@ def datasets(tmp_path_factory):
     prepare_dataset(documents(), root / "ar", format="arrayrecord", **kw)
     prepare_dataset(documents(), root / "tf", format="tfrecord", **kw)
     return load_dataset_info(root / "ar"), load_dataset_info(root / "tf")
-
-
-def take(iterator, n):
-    return [next(iterator) for _ in range(n)]
-
-
-def same(a, b):
-    return all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def records_read(info, reader="auto", shuffle=True, index=0, count=1):
