@@ -196,6 +196,19 @@ def test_device_feed_reraises_host_errors():
             next(feed)
 
 
+def test_device_feed_reraises_transfer_errors_in_order():
+    """A batch the transfer stage cannot place (7 rows over 8 devices) surfaces in `next`, after
+    the good batch before it, and the feed then stays failed."""
+    mesh = sharding.make_mesh(MeshConfig(data=-1))
+    batches = iter([{"inputs": np.zeros((8, 4), np.int32)}, {"inputs": np.zeros((7, 4), np.int32)}])
+    with DeviceFeed(batches, sharding.batch_sharding(mesh)) as feed:
+        first, _ = next(feed)
+        assert first["inputs"].shape == (8, 4)
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                next(feed)
+
+
 def test_bad_dataset_paths_name_the_fix(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         resolve_dataset(str(tmp_path / "missing"))
