@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 
+import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 import numpy as np
 

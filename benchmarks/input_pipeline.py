@@ -29,14 +29,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+import _repo_root  # noqa: F401  (before any project import: see its docstring)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Run as a script, this file's folder heads sys.path and its name would shadow the
-# `input_pipeline` package: put the repository root there instead.
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 import jax.numpy as jnp
 import numpy as np
