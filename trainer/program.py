@@ -37,6 +37,7 @@ class TrainProgram:
     init_fn: Callable[[], TrainState]
     train_step: Callable
     eval_step: Callable
+    train_step_into: Callable  # (spare, state, batch): the new state lands in the donated spare
 
     def init(self) -> TrainState:
         """A fresh state, created directly in its sharded layout."""
@@ -63,7 +64,7 @@ def build_program(
         )
         shardings = state_shardings(skeleton, tx, abstract_params, mesh)
         batch_sharding = sharding.batch_sharding(mesh)
-        train_step, eval_step = jit_steps(
+        train_step, eval_step, train_step_into = jit_steps(
             make_train_step(
                 skeleton,
                 tx,
@@ -86,4 +87,5 @@ def build_program(
         init_fn=make_init_fn(build, tx, config.run.seed),
         train_step=train_step,
         eval_step=eval_step,
+        train_step_into=train_step_into,
     )

@@ -141,8 +141,13 @@ def make_eval_step(
 
 def jit_steps(
     train_step, eval_step, state_shardings: TrainState, batch_sharding: NamedSharding
-) -> tuple[Any, Any]:
-    """Compile-once wrappers: explicit in/out shardings, donated train state."""
+) -> tuple[Any, Any, Any]:
+    """Compile-once wrappers: explicit in/out shardings, donated train state.
+
+    The third, `train_into(spare, state, batch)`, is the same step writing its new state into a
+    donated `spare` instead of into `state`, which stays intact: for a state that a background
+    checkpoint write still reads (see `trainer.save_overlap`). Jitted lazily: compiled only when
+    first used."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     train = jax.jit(
         train_step,
@@ -150,7 +155,13 @@ def jit_steps(
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
+    train_into = jax.jit(
+        lambda spare, state, batch: train_step(state, batch),
+        in_shardings=(state_shardings, state_shardings, batch_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
     evaluate = jax.jit(
         eval_step, in_shardings=(state_shardings, batch_sharding), out_shardings=replicated
     )
-    return train, evaluate
+    return train, evaluate, train_into

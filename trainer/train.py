@@ -29,6 +29,7 @@ from trainer.models import build_model
 from trainer.preemption import StopRequest
 from trainer.profiling import ProfileWindow
 from trainer.program import TrainProgram, build_program
+from trainer.save_overlap import SaveOverlap
 from trainer.state import TrainState
 from trainer.step import LossFn, next_token_loss
 
@@ -281,6 +282,7 @@ class Loop:
         feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
         timing = self.goodput.timing
+        overlap = SaveOverlap(self.program)  # steps after a save leave the saved state alone
         with feed, StopRequest() as stop, profile:
             for step in range(start_step + 1, total + 1):
                 try:
@@ -295,7 +297,7 @@ class Loop:
                 self.items_per_step = self.items_per_step or _items_in(batch)
                 profile.before_step(step, state)
                 with timing("step"):
-                    state, metrics = self.program.train_step(state, batch)  # runs while we log t-1
+                    state, metrics = overlap.step(state, batch)  # runs while we log t-1
                     if pending is not None:
                         self._record(pending, window, result)
                 profile.after_step(step, metrics)
@@ -306,6 +308,7 @@ class Loop:
                         self._check_finite(step, jax.device_get(metrics))  # never save a NaN
                     with timing("checkpoint"):
                         blocked = self.checkpointer.save(step, state, data_state, self.meta)
+                        overlap.saving(state)
                     metrics = {**metrics, "ckpt_block_s": blocked}
                 pending = (step, metrics, step_time, wait_s)
                 evaluating = step % config.eval.every == 0 or step == total

@@ -1,0 +1,97 @@
+"""Steps that overlap a background save on CPU: the step after a save writes into a spare state,
+so the saved state stays what the writer reads, and training gives exactly the same numbers."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY
+
+from trainer import sharding
+from trainer.checkpoint import Checkpointer, param_shapes
+from trainer.config import CheckpointConfig, load_config
+from trainer.save_overlap import WRITER_THREAD, SaveOverlap, idle_writer_threads
+from trainer.train import builder_for_vocab
+
+
+@pytest.fixture(scope="module")
+def program():
+    from trainer.program import build_program
+
+    config = load_config(None, [*TINY, "mesh.data=2", "mesh.fsdp=4"])
+    return build_program(config, sharding.make_mesh(config.mesh), builder_for_vocab(config, 256))
+
+
+def batches(program, count):
+    rng = np.random.default_rng(0)
+    B, L = 16, 64
+    for _ in range(count):
+        tokens = rng.integers(0, 256, (B, L + 1)).astype(np.int32)
+        host = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": np.ones((B, L), np.float32),
+        }
+        yield jax.device_put(host, program.batch_sharding)
+
+
+def host_copy(state):
+    return [np.array(leaf) for leaf in jax.tree.leaves(state)]
+
+
+def test_saving_every_step_changes_no_number_and_saves_what_was_stepped(program, tmp_path):
+    assert SaveOverlap(program).enabled  # the test devices are CPUs: the spare path runs
+    with jax.set_mesh(program.mesh):
+        plain, plain_losses = program.init(), []
+        for batch in batches(program, 6):
+            plain, metrics = program.train_step(plain, batch)
+            plain_losses.append(float(metrics["loss"]))
+
+        overlap = SaveOverlap(program)
+        checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=10))
+        state, losses, saved = program.init(), [], {}
+        meta = {"param_shapes": param_shapes(state.params)}
+        for step, batch in enumerate(batches(program, 6), start=1):
+            state, metrics = overlap.step(state, batch)
+            losses.append(float(metrics["loss"]))
+            if step % 2 == 0:  # the next step runs while this save is written
+                saved[step] = host_copy(state)
+                checkpointer.save(step, state, None, meta)
+                overlap.saving(state)
+        checkpointer.wait()
+        for step, expected in saved.items():
+            restored, _ = checkpointer.restore(step, program.abstract_state())
+            for want, got in zip(expected, host_copy(restored), strict=True):
+                np.testing.assert_array_equal(want, got)
+        checkpointer.close()
+    assert losses == plain_losses
+    for want, got in zip(host_copy(plain), host_copy(state), strict=True):
+        np.testing.assert_array_equal(want, got)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
+def test_writer_threads_run_at_idle_priority_after_a_save(program, tmp_path):
+    with jax.set_mesh(program.mesh):
+        state = program.init()
+        checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+        checkpointer.save(1, state, None, {"param_shapes": param_shapes(state.params)})
+        SaveOverlap(program).saving(state)
+        checkpointer.wait()
+        checkpointer.close()
+    writers = [int(task) for task in os.listdir("/proc/self/task") if _name(task) == WRITER_THREAD]
+    assert writers, "TensorStore's writer threads were not found by name"
+    assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in writers if _alive(t))
+    assert idle_writer_threads() == 0  # already idle: nothing left to move
+
+
+def _name(task: str) -> str:
+    try:
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
+
+def _alive(task: int) -> bool:
+    return os.path.exists(f"/proc/self/task/{task}")
