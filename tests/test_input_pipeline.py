@@ -32,7 +32,7 @@ def test_prepare_writes_shards_counts_and_checksums(dataset):
     raw = json.loads((dataset.path / "dataset.json").read_text())
     train, held = raw["splits"]["train"], raw["splits"]["eval"]
     assert train["documents"] + held["documents"] == 60 and held["documents"] >= 1
-    assert raw["vocab_size"] == 256 and raw["token_dtype"] == "<u2"
+    assert raw["vocab_size"] == 256 and raw["token_dtype"] == "|u1"
     assert len(train["shards"]) == 3
     total = sum(len(d.encode()) for d in documents())
     assert train["tokens"] + held["tokens"] == total  # nothing lost, long docs only cut

@@ -114,9 +114,9 @@ def test_batch_contract_and_tokens_are_the_records_concatenated(records):
     np.testing.assert_array_equal(flat["positions"], np.arange(real.sum()) - last_start)
 
 
-def test_uint16_views_and_int32_records_pack_alike(records):
+def test_narrow_views_and_int32_records_pack_alike(records):
     wide = [{k: v.astype(np.int32) for k, v in r.items()} for r in records]
-    assert records[0]["inputs"].dtype == np.uint16  # what DecodeRecord hands over
+    assert records[0]["inputs"].dtype == np.uint8  # what DecodeRecord hands over (byte tokens)
     for a, b in zip(packed(records, 40, 3), packed(wide, 40, 3), strict=True):
         assert_same(a, b)
 

@@ -16,6 +16,7 @@ from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
+from input_pipeline.records import token_dtype
 from input_pipeline.tokenizers import SENTENCEPIECE_FILE, get_tokenizer
 from trainer.config import load_config
 from trainer.data import load_dataset
@@ -153,3 +154,11 @@ def test_skip_corrupt_trains_and_counts_the_skipped_records(damaged, tmp_path):
     counts = [r["corrupt_records_skipped"] for r in rows if "corrupt_records_skipped" in r]
     assert counts and counts[-1] > 0 and counts == sorted(counts)
     assert np.isfinite(result.last_metrics["loss"])
+
+
+@pytest.mark.parametrize(
+    "vocab, stored",
+    [(256, "|u1"), (257, "<u2"), (2**16, "<u2"), (2**16 + 1, "<u4"), (152_064, "<u4")],
+)
+def test_tokens_are_stored_in_the_narrowest_type_the_vocabulary_fits(vocab, stored):
+    assert token_dtype(vocab).str == stored
