@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
-from trainer.models.layers import Attention, RMSNorm, SwiGLU, partitioned
+from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, partitioned
 from trainer.models.transformer import TransformerSpec
 
 
@@ -25,9 +25,9 @@ class ParallelBlock(nnx.Module):
         self.attn = Attention(spec, rngs=rngs)
         self.mlp = SwiGLU(spec, rngs=rngs)
 
-    def __call__(self, x, segment_ids, positions):
+    def __call__(self, x, layout: PackedLayout):
         h = self.norm(x)
-        return x + self.attn(h, segment_ids, positions) + self.mlp(h)
+        return x + self.attn(h, layout) + self.mlp(h)
 
 
 class ParallelLM(nnx.Module):
@@ -43,11 +43,16 @@ class ParallelLM(nnx.Module):
         )
         self.blocks = nnx.List([ParallelBlock(spec, rngs=rngs) for _ in range(spec.num_layers)])
         self.norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.head_dim, self.rope_theta = spec.head_dim, spec.rope_theta
 
     def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
         x = self.embed(batch["inputs"])
+        # The attention mask and rotary angles of the packed rows, once for all layers.
+        layout = PackedLayout.of(
+            batch["segment_ids"], batch["positions"], self.head_dim, self.rope_theta
+        )
         for block in self.blocks:
-            x = block(x, batch["segment_ids"], batch["positions"])
+            x = block(x, layout)
         return self.embed.attend(self.norm(x)).astype(jnp.float32)  # tied output embedding
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +37,30 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x_BxLxHxD: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
+class PackedLayout(NamedTuple):
+    """What every attention layer derives from a packed batch's `segment_ids` and `positions`:
+    built once per forward pass, not once per layer (inside the layer scan XLA recomputed the
+    mask and the rotary angles at every layer, forward and backward)."""
+
+    mask: jax.Array  # [B, 1, L, L]: causal, and never across documents of a packed row
+    sin: jax.Array  # [B, L, 1, K/2]: rotary angles at each token's in-document position
+    cos: jax.Array
+
+    @classmethod
+    def of(
+        cls, segment_ids_BxL: jax.Array, positions_BxL: jax.Array, head_dim: int, theta: float
+    ) -> PackedLayout:
+        half = head_dim // 2
+        freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        angles_BxLx1xF = (positions_BxL[..., None].astype(jnp.float32) * freqs_F)[:, :, None]
+        return cls(
+            packed_causal_mask(segment_ids_BxL), jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF)
+        )
+
+
+def rotary(x_BxLxHxD: jax.Array, layout: PackedLayout) -> jax.Array:
     """Rotary position embedding (rotate-half form) at each token's in-document position."""
-    half = x_BxLxHxD.shape[-1] // 2
-    freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_BxLxF = positions_BxL[..., None].astype(jnp.float32) * freqs_F
-    sin, cos = jnp.sin(angles_BxLxF)[:, :, None, :], jnp.cos(angles_BxLxF)[:, :, None, :]
+    sin, cos = layout.sin, layout.cos
     x1, x2 = jnp.split(x_BxLxHxD.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxD.dtype)
@@ -80,16 +98,16 @@ class Attention(nnx.Module):
         self.v = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
         self.out = _dense(q_dim, spec.d_model, ("heads", "embed"), spec, rngs)
 
-    def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    def __call__(self, x_BxLxD, layout: PackedLayout):
         B, L, _ = x_BxLxD.shape
         q_BxLxHxK = self.q(x_BxLxD).reshape(B, L, self.num_heads, self.head_dim)
         k_BxLxGxK = self.k(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
         v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
-        q_BxLxHxK = rotary(q_BxLxHxK, positions_BxL, self.rope_theta)
-        k_BxLxGxK = rotary(k_BxLxGxK, positions_BxL, self.rope_theta)
+        q_BxLxHxK = rotary(q_BxLxHxK, layout)
+        k_BxLxGxK = rotary(k_BxLxGxK, layout)
         # XLA on CPU; on GPU, jax picks cuDNN flash attention when dtype and shapes allow.
         out_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=packed_causal_mask(segment_ids_BxL)
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=layout.mask
         )
         return self.out(out_BxLxHxK.reshape(B, L, self.num_heads * self.head_dim))
 

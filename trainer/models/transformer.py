@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
-from trainer.models.layers import Attention, RMSNorm, SwiGLU, dropout, partitioned
+from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -75,9 +75,9 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(spec, rngs=rngs)
         self.dropout_rate = spec.dropout
 
-    def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL, dropout_key=None):
+    def __call__(self, x_BxLxD, layout: PackedLayout, dropout_key=None):
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        h = self.attn(self.attn_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+        h = self.attn(self.attn_norm(x_BxLxD), layout)
         x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[0])
         h = self.mlp(self.mlp_norm(x_BxLxD))
         return x_BxLxD + dropout(h, self.dropout_rate, keys[1])
@@ -124,7 +124,10 @@ class Transformer(nnx.Module):
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]), inputs_BxL.shape)
         x_BxLxD = self.embed(inputs_BxL)
-        x_BxLxD = self._run_blocks(x_BxLxD, segment_ids_BxL, positions_BxL)
+        layout = PackedLayout.of(
+            segment_ids_BxL, positions_BxL, self.spec.head_dim, self.spec.rope_theta
+        )
+        x_BxLxD = self._run_blocks(x_BxLxD, layout)
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.spec.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
@@ -132,7 +135,7 @@ class Transformer(nnx.Module):
             logits_BxLxV = self.lm_head(x_BxLxD)
         return logits_BxLxV.astype(jnp.float32)  # fp32 softmax/loss: bf16 loses small probs
 
-    def _run_blocks(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    def _run_blocks(self, x_BxLxD, layout: PackedLayout):
         """One scan over the stacked layers: the step compiles one block, whatever the depth."""
         graphdef, stacked = nnx.split(self.blocks)
         layer_keys = None
@@ -142,7 +145,7 @@ class Transformer(nnx.Module):
         def body(x, layer):
             state, key = layer
             block = nnx.merge(graphdef, state)
-            return block(x, segment_ids_BxL, positions_BxL, key), None
+            return block(x, layout, key), None
 
         policy = _REMAT_POLICIES.get(self.spec.remat)
         if policy is not None:
