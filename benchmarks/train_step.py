@@ -6,7 +6,7 @@
    optimizer on pre-made device batches (target <= 1.05x);
 3. tokens/s of the trainer for the given configs.
 
-    python benchmarks/train_step.py [--steps 60] [--configs A.yaml B.yaml]
+    python benchmarks/train_step.py [--steps 60] [--rounds 3] [--configs A.yaml B.yaml]
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def trainer_step_seconds(config_path: str, steps: int) -> tuple[float, float, Co
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3, help="trainer/bare pairs per config")
     parser.add_argument(
         "--configs", nargs="+", default=["configs/demo.yaml", "configs/nanogpt_cpu.yaml"]
     )
@@ -135,16 +136,24 @@ def main() -> None:
         f"ratio {c32 / c4:.2f}x"
     )
     for path in args.configs:
-        trainer_s, max_wait, config = trainer_step_seconds(path, args.steps)
-        info = load_dataset(config)
-        host = lm_batches(config, info, "train")
-        batches = [next(host) for _ in range(8)]
-        bare_s = bare_step_seconds(config, info.vocab_size, batches, args.steps)
+        ratios, trainer_times, bare_times, waits = [], [], [], []
+        for _ in range(args.rounds):  # interleaved: a busy neighbour slows both sides alike
+            trainer_s, max_wait, config = trainer_step_seconds(path, args.steps)
+            info = load_dataset(config)
+            host = lm_batches(config, info, "train")
+            batches = [next(host) for _ in range(8)]
+            bare_s = bare_step_seconds(config, info.vocab_size, batches, args.steps)
+            ratios.append(trainer_s / bare_s)
+            trainer_times.append(trainer_s)
+            bare_times.append(bare_s)
+            waits.append(max_wait)
+        trainer_s, bare_s = statistics.median(trainer_times), statistics.median(bare_times)
         tokens = config.data.global_batch_size * config.data.seq_len
         print(
             f"{path}: trainer {trainer_s * 1e3:.1f} ms/step ({tokens / trainer_s:,.0f} tokens/s, "
-            f"max data_wait_frac {max_wait:.3f}); bare jit loop {bare_s * 1e3:.1f} ms/step; "
-            f"ratio {trainer_s / bare_s:.3f}x"
+            f"max data_wait_frac {max(waits):.3f}); bare jit loop {bare_s * 1e3:.1f} ms/step; "
+            f"ratio median {statistics.median(ratios):.3f}x over {args.rounds} rounds "
+            f"({', '.join(f'{r:.3f}' for r in ratios)})"
         )
 
 
