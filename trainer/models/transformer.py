@@ -138,6 +138,7 @@ class Transformer(nnx.Module):
     def _run_blocks(self, x_BxLxD, layout: PackedLayout):
         """One scan over the stacked layers: the step compiles one block, whatever the depth."""
         graphdef, stacked = nnx.split(self.blocks)
+        stacked = _matrices_in(self.spec.compute_dtype, stacked)
         layer_keys = None
         if self.dropout_rngs is not None:
             layer_keys = jax.random.split(self.dropout_rngs.dropout(), self.spec.num_layers)
@@ -152,3 +153,16 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, layer_keys))
         return x_BxLxD
+
+
+def _matrices_in(compute_dtype, stacked):
+    """The stacked weight matrices (`[layers, in, out]`) cast to the compute dtype once, before
+    the layer scan: each layer's matmul would cast its slice anyway (same values), but per layer
+    and again for the gradient, as ~2 small convert kernels per matrix and layer. Norm scales
+    (`[layers, D]`) keep their dtype: RMSNorm reads them in float32."""
+
+    def cast(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(compute_dtype) if floating and x.ndim >= 3 else x
+
+    return jax.tree.map(cast, stacked)
