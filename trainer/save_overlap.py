@@ -77,7 +77,7 @@ class SaveOverlap:
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, Any]:
         """One train step; right after a save, into the spare, leaving `state` to the writer."""
-        if self._being_saved is None or self._being_saved is not state:
+        if self._being_saved is not state:  # no save is reading this state
             return self._program.train_step(state, batch)
         if self._spare is None:
             self._spare = self._blank(state)
