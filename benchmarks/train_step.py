@@ -57,7 +57,8 @@ def synthetic_batch(config: Config, vocab_size: int) -> dict[str, np.ndarray]:
 
 
 def compile_seconds(config_path: str, num_layers: int) -> float:
-    config = load_config(config_path, [f"model.num_layers={num_layers}"])
+    # the claim is the scan's: compile time flat in depth (`model.scan_layers=false` grows)
+    config = load_config(config_path, [f"model.num_layers={num_layers}", "model.scan_layers=true"])
     mesh = sharding.make_mesh(config.mesh)
     program = build_program(config, mesh, builder(config, 256))
     state = program.abstract_state()

@@ -58,6 +58,9 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_embeddings: bool = False
     remat: Literal["none", "full", "save_dots"] = "none"
+    # false: a Python loop over the layers (compile time grows with depth; for shallow models
+    # on CPU, where the scan's stacked residual buffers and per-layer slicing cost ~20% a step)
+    scan_layers: bool = True
     args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

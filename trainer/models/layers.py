@@ -82,6 +82,7 @@ def _dense(d_in: int, d_out: int, axes: tuple[str, str], spec: TransformerSpec, 
         dtype=spec.compute_dtype,
         param_dtype=spec.param_dtype,
         kernel_init=partitioned(nnx.initializers.lecun_normal(), axes),
+        dot_general=spec.dot_general,
         rngs=rngs,
     )
 

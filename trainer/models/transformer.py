@@ -16,6 +16,7 @@ from flax import nnx
 
 from trainer.config import ModelConfig
 from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
+from trainer.models.matmul import mixed_precision_dot_general
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -37,12 +38,19 @@ class TransformerSpec:
     dropout: float = 0.0
     tie_embeddings: bool = False
     remat: str = "none"
+    scan_layers: bool = True
     compute_dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def dot_general(self):
+        """The matmul of every dense layer: bf16 forward and backward (`models/matmul.py`),
+        except under `save_dots`, whose policy must see plain dots to save them."""
+        return jax.lax.dot_general if self.remat == "save_dots" else mixed_precision_dot_general
 
     @classmethod
     def from_config(
@@ -60,6 +68,7 @@ class TransformerSpec:
             dropout=config.dropout,
             tie_embeddings=config.tie_embeddings,
             remat=config.remat,
+            scan_layers=config.scan_layers,
             compute_dtype=compute_dtype,
             param_dtype=param_dtype,
         )
@@ -112,6 +121,7 @@ class Transformer(nnx.Module):
                 dtype=spec.compute_dtype,
                 param_dtype=spec.param_dtype,
                 kernel_init=partitioned(nnx.initializers.lecun_normal(), ("embed", "vocab")),
+                dot_general=spec.dot_general,
                 rngs=rngs,
             )
         # Dropout needs fresh randomness each step: keep an RNG stream in the model state.
@@ -136,7 +146,10 @@ class Transformer(nnx.Module):
         return logits_BxLxV.astype(jnp.float32)  # fp32 softmax/loss: bf16 loses small probs
 
     def _run_blocks(self, x_BxLxD, layout: PackedLayout):
-        """One scan over the stacked layers: the step compiles one block, whatever the depth."""
+        """One scan over the stacked layers: the step compiles one block, whatever the depth.
+        With `scan_layers=False`, a loop over static slices of the same stacked parameters (same
+        checkpoints): no stacked residual buffers to zero and slice per layer, which cost ~15%
+        of a step for shallow models on CPU; compile time then grows with depth."""
         graphdef, stacked = nnx.split(self.blocks)
         stacked = _matrices_in(self.spec.compute_dtype, stacked)
         layer_keys = None
@@ -151,7 +164,12 @@ class Transformer(nnx.Module):
         policy = _REMAT_POLICIES.get(self.spec.remat)
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, layer_keys))
+        if self.spec.scan_layers:
+            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, layer_keys))
+            return x_BxLxD
+        for index in range(self.spec.num_layers):
+            layer = jax.tree.map(lambda a, i=index: a[i], (stacked, layer_keys))
+            x_BxLxD, _ = body(x_BxLxD, layer)
         return x_BxLxD
 
 
