@@ -107,6 +107,24 @@ def test_remat_does_not_change_values():
     np.testing.assert_allclose(outs[0], outs[2], atol=1e-6)
 
 
+def test_bf16_gradients_agree_across_remat_policies():
+    """bf16 matmuls take an explicit VJP except under `save_dots` (whose policy must see plain
+    dots), and `full` recomputes them inside `jax.checkpoint`: all three give the same gradients
+    to bf16 rounding."""
+    batch = batch_of(np.arange(32).reshape(2, 16) % 64)
+
+    def grads(remat):
+        graphdef, params = nnx.split(make([f"model.remat={remat}"], "bfloat16"))
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(batch) ** 2)  # noqa: E731
+        return jax.grad(loss)(params)
+
+    none, full, save_dots = grads("none"), grads("full"), grads("save_dots")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), none, full)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(none))
+    close = functools.partial(np.testing.assert_allclose, rtol=0.05, atol=0.02 * scale)
+    jax.tree.map(close, none, save_dots)
+
+
 def test_unrolled_layers_match_the_scan():
     """`model.scan_layers=false` runs the same stacked parameters (checkpoints stay
     interchangeable) through a plain loop: same logits and gradients as the scan."""
