@@ -68,6 +68,12 @@ def test_float32_and_other_contractions_are_plain_dots():
     np.testing.assert_array_equal(
         mixed_precision_dot_general(x, w, LINEAR), jax.lax.dot_general(x, w, LINEAR)
     )
+    x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    wide = mixed_precision_dot_general(x16, w16, LINEAR, preferred_element_type=jnp.float32)
+    assert wide.dtype == jnp.float32  # the caller's result dtype is kept
+    np.testing.assert_array_equal(
+        wide, jax.lax.dot_general(x16, w16, LINEAR, preferred_element_type=jnp.float32)
+    )
     batched = (((2,), (1,)), ((0,), (0,)))
     y = jnp.ones((3, 16, 8), jnp.bfloat16)
     np.testing.assert_array_equal(

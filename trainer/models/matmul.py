@@ -29,10 +29,12 @@ def mixed_precision_dot_general(
     preferred_element_type=None,
     **kwargs,
 ) -> jax.Array:
-    """Drop-in `dot_general` for `nnx.Linear`: `x[..., K] @ w[K, N]` in bf16 takes the explicit
-    VJP; anything else (float32 compute, other contractions) is plain `jax.lax.dot_general`."""
+    """Drop-in `dot_general` for `nnx.Linear`: `x[..., K] @ w[K, N]` in bf16 with a bf16 result
+    takes the explicit VJP; anything else (float32 compute, other contractions, a caller asking
+    for another result dtype) is plain `jax.lax.dot_general`."""
     linear = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))
-    if linear and lhs.dtype == _BF16 and rhs.dtype == _BF16 and rhs.ndim == 2:
+    bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
+    if linear and bf16_result and lhs.dtype == _BF16 and rhs.dtype == _BF16 and rhs.ndim == 2:
         return _bf16_linear(lhs, rhs)
     return jax.lax.dot_general(
         lhs,
