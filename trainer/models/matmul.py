@@ -10,7 +10,7 @@ the same numbers a GPU computes. On this 2-core CPU it made the nanoGPT-sized st
 (BENCHMARKS.md).
 
 Remat policies that pick values by primitive (`save_dots`) cannot see inside a custom VJP, so
-the built-in model uses this only where no such policy is set (`Transformer` decides).
+the built-in model uses this only where no such policy is set (`TransformerSpec.dot_general`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def mixed_precision_dot_general(
     )
 
 
-def _dot(a: jax.Array, b: jax.Array, contract_a, contract_b, out_dtype) -> jax.Array:
-    dims = ((tuple(contract_a), tuple(contract_b)), ((), ()))
+def _dot(a: jax.Array, b: jax.Array, contract_a: tuple, contract_b: tuple, out_dtype) -> jax.Array:
+    dims = ((contract_a, contract_b), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
@@ -61,8 +61,7 @@ def _bf16_linear_fwd(x_NxK, w_KxM):
 
 
 def _bf16_linear_bwd(residuals, grad_NxM):
-    x_NxK, w_KxM = residuals
-    grad_NxM = grad_NxM.astype(_BF16)
+    x_NxK, w_KxM = residuals  # grad_NxM is bf16 already: the primal result's dtype
     grad_x = _dot(grad_NxM, w_KxM, (grad_NxM.ndim - 1,), (1,), x_NxK.dtype)
     rows = tuple(range(x_NxK.ndim - 1))  # every leading (batch, length) axis
     grad_w = _dot(x_NxK, grad_NxM, rows, rows, w_KxM.dtype)
