@@ -70,6 +70,28 @@ def test_saving_every_step_changes_no_number_and_saves_what_was_stepped(program,
         np.testing.assert_array_equal(want, got)
 
 
+def buffer_addresses(state) -> list[int]:
+    return [
+        shard.data.unsafe_buffer_pointer()
+        for leaf in jax.tree.leaves(state)
+        for shard in leaf.addressable_shards
+    ]
+
+
+def test_the_step_after_a_save_writes_into_the_spare_not_fresh_memory(program):
+    """The spare is an argument the step never reads: `jax.jit` prunes such arguments (and
+    their donation) unless told to keep them, and the step then allocated a whole new state."""
+    with jax.set_mesh(program.mesh):
+        state = program.init()
+        spare = jax.tree.map(lambda leaf: leaf + 0, state)
+        spare_addresses = buffer_addresses(spare)
+        batch = next(batches(program, 1))
+        new_state, _ = program.train_step_into(spare, state, batch)
+        assert buffer_addresses(new_state) == spare_addresses
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(spare))
+        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux scheduling classes")
 def test_writer_threads_run_at_idle_priority_after_a_save(program, tmp_path):
     with jax.set_mesh(program.mesh):

@@ -160,6 +160,7 @@ def jit_steps(
         in_shardings=(state_shardings, state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
+        keep_unused=True,  # an unused argument is pruned otherwise, and its donation with it
     )
     evaluate = jax.jit(
         eval_step, in_shardings=(state_shardings, batch_sharding), out_shardings=replicated
