@@ -57,4 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from trainer.host_memory import restart_with_huge_pages
+
+    restart_with_huge_pages()  # before JAX starts: see trainer/host_memory.py
     sys.exit(main())
