@@ -77,3 +77,13 @@ def test_restart_is_in_place_and_malloc_maps_huge_pages(repo_root):
     plain = run_probe(repo_root, {OPT_OUT: "0"})
     assert len(plain["pid"]) == 1 and plain["tunables"] == ["None"]
     assert int(plain["huge_kb"][0]) < 32 << 10
+
+
+def test_the_restart_comes_before_jax_is_imported(repo_root):
+    """`python -m trainer.main` imports the `trainer` package before it can restart: a heavy
+    import there (JAX and Flax take ~1.3 s) would be paid twice by every CLI start."""
+    probe = "import sys, trainer.host_memory; print(sorted({'jax', 'flax'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=repo_root, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
