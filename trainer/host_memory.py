@@ -6,8 +6,8 @@ step ends, so the next step faults every 4 KiB page in again: 271k faults, ~0.4 
 in a 1.4 s step. Those faults also compete with a background checkpoint write for the same free
 memory, which made the steps that overlap a save up to 1.5x slower. glibc's
 `glibc.malloc.hugetlb=1` tunable makes malloc `madvise(MADV_HUGEPAGE)` its large blocks, so the
-kernel maps them with 2 MiB pages: ~1k faults per step, a ~20% faster step, and saves that
-overlap the steps far more quietly (numbers in BENCHMARKS.md).
+kernel maps them with 2 MiB pages: 1-2k faults per step and a ~15-20% faster 125m step. The
+steps that overlap a save are slowed less too, though not yet within 1.1x (BENCHMARKS.md).
 
 glibc reads tunables once, when the process starts, so `python -m trainer.main` and the
 benchmarks re-execute themselves (same PID, same arguments) with the tunable added to
