@@ -13,11 +13,11 @@ measures (median of `--rounds` interleaved rounds, so a busy neighbour hurts eve
           says: parallel non-deterministic interleave, a shuffle buffer, parse batches of
           serialized records with one vectorized `parse_example`, packing to the same batch
           contract with vectorized ops, `prefetch(AUTOTUNE)`, autotuned parallelism;
-  wait    the real `DeviceFeed` over the Grain chain, driven by a synthetic step that sleeps
-          twice the Grain chain's time per batch: `data_wait_frac` as the trainer reports it;
-          and for reference, the same with a step twice the time per batch of the DeviceFeed
-          itself (chain + host-to-device transfer, which on the CPU backend costs about as
-          much as the chain).
+  wait    the trainer's `DeviceFeed` (packed: one array per batch) over the Grain chain,
+          driven by a synthetic step that sleeps twice the Grain chain's time per batch (each
+          sleep corrected by the last one's overshoot, so the step is not longer than that):
+          `data_wait_frac` as the trainer reports it; and for reference, the same with a step
+          twice the time per batch of the DeviceFeed itself (chain + host-to-device transfer).
 Before timing, unshuffled tf.data batches are checked equal to the Grain chain's, so both
 pipelines deliver the same packed batches.
 """
@@ -57,7 +57,14 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 CORPUS = "python-stdlib"
-DEFAULTS = ["data.seq_len=1024", "data.global_batch_size=64", "data.packing=concat"]
+# 8 batches ready (the default keeps 4): at a 0.45 ms step, 4 cover only ~1.8 ms, less than the
+# 1-2 ms stalls a 2-core host puts in the feed now and then (2 of 5 runs failed (4) with 4).
+DEFAULTS = [
+    "data.seq_len=1024",
+    "data.global_batch_size=64",
+    "data.packing=concat",
+    "data.prefetch=8",
+]
 PARSE_BATCH = 64  # serialized records per vectorized parse_example (~10 batches of 64x1024)
 WARMUP_STEPS = 20  # synthetic steps not counted: the feed's first batches include start-up
 
@@ -172,10 +179,13 @@ def check_same_batches(arrayrecord: DatasetInfo, paths: list[str], data: DataCon
 
 
 def device_feed(info: DatasetInfo, config: Config) -> DeviceFeed:
-    """The trainer's input path: the configured chain behind the real `DeviceFeed`."""
+    """The trainer's input path: the configured chain behind `DeviceFeed`, packed as the
+    trainer's loop asks for."""
     batches = configured_batches(info, config.data, config.run.seed)
     mesh = sharding.make_mesh(MeshConfig(data=-1))
-    return DeviceFeed(batches, sharding.batch_sharding(mesh), prefetch=config.data.prefetch)
+    return DeviceFeed(
+        batches, sharding.batch_sharding(mesh), prefetch=config.data.prefetch, packed=True
+    )
 
 
 def feed_batch_s(info: DatasetInfo, config: Config, batches: int) -> float:
@@ -191,8 +201,12 @@ def feed_batch_s(info: DatasetInfo, config: Config, batches: int) -> float:
 
 def data_wait(info: DatasetInfo, config: Config, step_s: float, steps: int) -> dict[str, float]:
     """The trainer's `data_wait_frac` over `steps` synthetic steps of `step_s` each (a sleep:
-    the accelerator computes, the host is free), fed by the real `DeviceFeed`."""
-    sleep_s = step_s - _sleep_overshoot(step_s)  # so a step lasts step_s, not step_s + slack
+    the accelerator computes, the host is free), fed by the real `DeviceFeed`.
+
+    A sleep overshoots (timer slack, waking up behind the feed's thread), so each sleep is
+    corrected by the last step's error: the slept time averages `step_s` and the step is no
+    longer than claimed."""
+    sleep_s = step_s
     waits, times, computes = [], [], []
     with device_feed(info, config) as feed:
         tick = time.perf_counter()
@@ -205,6 +219,7 @@ def data_wait(info: DatasetInfo, config: Config, step_s: float, steps: int) -> d
             computes.append(now - start)
             times.append(now - tick)
             tick = now
+            sleep_s = max(0.0, sleep_s + 0.3 * (step_s - computes[-1]))
     waits, times = np.array(waits[WARMUP_STEPS:]), np.array(times[WARMUP_STEPS:])
     return {
         "data_wait_frac": float(waits.sum() / times.sum()),
@@ -213,16 +228,6 @@ def data_wait(info: DatasetInfo, config: Config, step_s: float, steps: int) -> d
         "compute_s": float(np.mean(computes[WARMUP_STEPS:])),
         "step_s": float(times.mean()),
     }
-
-
-def _sleep_overshoot(seconds: float, samples: int = 50) -> float:
-    """How much longer than asked `time.sleep(seconds)` takes here (timer slack, scheduling)."""
-    late = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        time.sleep(seconds)
-        late.append(time.perf_counter() - start - seconds)
-    return min(float(np.median(late)), seconds)
 
 
 def measure(config: Config, rounds: int, batches: int, steps: int, raw_records: int) -> dict:

@@ -211,3 +211,30 @@ def test_batched_reads_match_record_reads_and_survive_pickling(dataset):
     expected = [source[k] for k in keys]
     assert source.read_many(keys) == expected  # in the asked order, across shards
     assert pickle.loads(pickle.dumps(source)).read_many(keys) == expected  # worker processes
+
+
+def test_batch_memory_is_reused_only_once_nothing_refers_to_it(dataset):
+    """A held batch never changes under later batches (even placed on the devices, which alias
+    it on CPU); a dropped one gives its memory to a later batch instead of fresh pages."""
+    import jax
+
+    from input_pipeline.device import to_global
+    from input_pipeline.packed import pack
+    from trainer import sharding
+    from trainer.config import MeshConfig
+
+    batches = make_batch_iterator(dataset, "train", seq_len=16, batch_size=8, seed=3)
+    held = [next(batches) for _ in range(3)]
+    snapshots = [{name: value.copy() for name, value in b.items()} for b in held]
+    mesh_sharding = sharding.batch_sharding(sharding.make_mesh(MeshConfig(data=-1)))
+    placed = to_global(pack(next(batches)), mesh_sharding)
+    placed_copy = np.asarray(placed.block).copy()
+    addresses = set()
+    for _ in range(40):  # each dropped at once: the same few blocks come back
+        addresses.add(next(batches)["inputs"].ctypes.data)
+    assert len(addresses) <= 2
+    for batch, snapshot in zip(held, snapshots, strict=True):
+        for name in FIELDS:
+            np.testing.assert_array_equal(batch[name], snapshot[name])
+    np.testing.assert_array_equal(np.asarray(placed.block), placed_copy)
+    jax.block_until_ready(placed.block)

@@ -36,7 +36,7 @@ class DataConfig(_Section):
     shuffle: bool = True
     read_threads: int = Field(4, ge=1)
     workers: int = Field(0, ge=0)
-    prefetch: int = Field(2, ge=1)
+    prefetch: int = Field(4, ge=1)
     reader: Literal["auto", "grain", "tfdata"] = "auto"  # TFRecord: auto = grain, or tf.data
     skip_corrupt: bool = False
     verify_checksums: bool = True  # sha256 of every shard at start; false for huge datasets

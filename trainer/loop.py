@@ -6,6 +6,7 @@ sit around the step. Batches arrive already on the devices (`DeviceFeed`).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 
 from input_pipeline.device import DeviceFeed
+from input_pipeline.packed import field_shapes
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config
 from trainer.data import DataSources
@@ -40,7 +42,9 @@ class RunResult:
 def evaluate(config: Config, sources: DataSources, program: TrainProgram, state) -> float:
     """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
     loss_sum, weight = 0.0, 0.0
-    feed = DeviceFeed(iter(sources.make_eval()), program.batch_sharding, config.data.prefetch)
+    feed = DeviceFeed(
+        iter(sources.make_eval()), program.batch_sharding, config.data.prefetch, packed=True
+    )
     with feed:
         for i, (batch, _) in enumerate(feed):
             if i >= config.eval.steps:
@@ -56,11 +60,12 @@ def evaluate(config: Config, sources: DataSources, program: TrainProgram, state)
     return loss_sum / weight
 
 
-def _items_in(batch: dict[str, jax.Array]) -> int:
+def _items_in(batch: Mapping[str, jax.Array]) -> int:
     """Tokens per global batch for token data (`inputs` [B, L]); examples otherwise."""
-    if "inputs" in batch and batch["inputs"].ndim == 2:
-        return int(batch["inputs"].size)
-    return int(jax.tree.leaves(batch)[0].shape[0])
+    shapes = field_shapes(batch)
+    if len(shapes.get("inputs", ())) == 2:
+        return int(np.prod(shapes["inputs"]))
+    return int(next(iter(shapes.values()))[0])
 
 
 @dataclass
@@ -91,7 +96,9 @@ class Loop:
         window: list[float] = []
         pending = None  # (step, device metrics, step wall time, data wait) of the previous step
         tick = time.perf_counter()
-        feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
+        feed = DeviceFeed(
+            train_iter, self.program.batch_sharding, prefetch=config.data.prefetch, packed=True
+        )
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
         timing = self.goodput.timing
         overlap = SaveOverlap(self.program)  # steps after a save leave the saved state alone

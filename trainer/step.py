@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from input_pipeline.packed import fields
 from trainer.sharding import BATCH_AXES
 from trainer.state import ModelSkeleton, TrainState
 
@@ -93,6 +94,7 @@ def make_train_step(
         return grads, loss_sum, weight_sum, model_state
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        batch = fields(batch)  # a PackedBatch's block -> the dict the loss receives
         grads, loss_sum, weight_sum, model_state = accumulate(
             state.params, state.model_state, batch
         )
@@ -132,6 +134,7 @@ def make_eval_step(
     """Weighted loss sums, so an eval over several batches averages every token once."""
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+        batch = fields(batch)
         model = skeleton.merge(state.params, state.model_state)
         loss, aux = loss_fn(model, batch)
         return {"loss_sum": loss * _weight(aux), "weight": _weight(aux)}
@@ -142,7 +145,11 @@ def make_eval_step(
 def jit_steps(
     train_step, eval_step, state_shardings: TrainState, batch_sharding: NamedSharding
 ) -> tuple[Any, Any, Any]:
-    """Compile-once wrappers: explicit in/out shardings, donated train state.
+    """Compile-once wrappers: explicit state shardings, donated train state.
+
+    Batches come placed (by `DeviceFeed`, or `jax.device_put(batch, batch_sharding)`) and keep
+    the sharding they arrive with: `batch_sharding` on a dict's fields, rows on axis 1 of a
+    `PackedBatch`'s block. One prefix sharding cannot describe both forms.
 
     The third, `train_into(spare, state, batch)`, is the same step writing its new state into a
     donated `spare` instead of into `state`, which stays intact: for a state that a background
@@ -151,18 +158,16 @@ def jit_steps(
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     train = jax.jit(
         train_step,
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, None),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
     train_into = jax.jit(
         lambda spare, state, batch: train_step(state, batch),
-        in_shardings=(state_shardings, state_shardings, batch_sharding),
+        in_shardings=(state_shardings, state_shardings, None),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
         keep_unused=True,  # an unused argument is pruned otherwise, and its donation with it
     )
-    evaluate = jax.jit(
-        eval_step, in_shardings=(state_shardings, batch_sharding), out_shardings=replicated
-    )
+    evaluate = jax.jit(eval_step, in_shardings=(state_shardings, None), out_shardings=replicated)
     return train, evaluate, train_into
