@@ -8,10 +8,10 @@ the local devices, then measures in the same process:
   sync_s      a synchronous save (`checkpoint.async=false`), start to finished on disk;
   block_s     what an async save blocks the caller for;
   step_s      median step time with no save in flight;
-  busy_step_s mean time of the steps that start while an async save is still being written,
-              stepped the way the trainer's loop steps (`trainer.save_overlap.SaveOverlap`: on
-              CPU the step after a save writes into a spare state, and the writer's threads run
-              at idle priority).
+  busy_step_s mean time of the steps that start while an async save is still being written.
+Every step, quiet or busy, is stepped the way the trainer's loop steps
+(`trainer.save_overlap.SaveOverlap`: on CPU each step writes into a spare state, and the
+writer's threads run at idle priority).
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def main() -> None:
         f"devices {jax.devices()}"
     )
     meta = {"param_shapes": param_shapes(state.params)}
+    overlap = SaveOverlap(program)  # what the trainer's loop steps through, saves or not
     with jax.set_mesh(mesh):
-        state, _ = timed_steps(program.train_step, state, batch, 2)  # compile + warm up
-        state, quiet = timed_steps(program.train_step, state, batch, args.steps)
+        state, _ = timed_steps(overlap.step, state, batch, 2)  # compile + warm up
+        state, quiet = timed_steps(overlap.step, state, batch, args.steps)
         with tempfile.TemporaryDirectory() as folder:
             sync = Checkpointer(f"{folder}/sync", CheckpointConfig(**{"async": False}))
             start = time.perf_counter()
@@ -101,7 +102,6 @@ def main() -> None:
             sync.close()
 
             background = Checkpointer(f"{folder}/async", CheckpointConfig(**{"async": True}))
-            overlap = SaveOverlap(program)  # what the trainer's loop steps through
             # The first save pays one-time setup (Orbax's, and the loop's spare state on CPU).
             background.save(1, state, None, meta)
             overlap.saving(state)

@@ -124,3 +124,27 @@ def _name(task: str) -> str:
 
 def _alive(task: int) -> bool:
     return os.path.exists(f"/proc/self/task/{task}")
+
+
+def test_cpu_steps_rotate_three_states_and_leave_the_saved_one_alone(program, tmp_path):
+    """Every CPU step writes into a spare: after the first step no step allocates a state (the
+    new states live in the same three sets of buffers), and the state a save is reading is never
+    donated until the next save starts."""
+    overlap = SaveOverlap(program)
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=10))
+    with jax.set_mesh(program.mesh):
+        state = program.init()
+        meta = {"param_shapes": param_shapes(state.params)}
+        seen, saved = {tuple(buffer_addresses(state))}, None
+        for step, batch in enumerate(batches(program, 9), start=1):
+            state, _ = overlap.step(state, batch)
+            seen.add(tuple(buffer_addresses(state)))
+            if saved is not None:
+                assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
+            if step in (3, 6):
+                checkpointer.save(step, state, None, meta)
+                overlap.saving(state)
+                saved = state
+        checkpointer.wait()
+        checkpointer.close()
+    assert len(seen) == 3
