@@ -57,13 +57,13 @@ class DeviceFeed:
     that batch was read, i.e. what a checkpoint taken after consuming it must store.
 
     One background thread reads a host batch, takes the iterator's state and places the batch on
-    the devices; at most `prefetch` placed batches wait. It is one thread, not a reading and a
-    placing stage: both are mostly Python that holds the GIL, and two threads handing batches
-    over cost more than they overlapped (0.70-0.87 vs 0.47-0.54 ms per 64x1024 batch on 2 CPU
-    cores). The channels are `queue.SimpleQueue`s, one for batches and one for free slots: taking
-    a ready batch is one C call, where `queue.Queue`'s Python-level lock, shared with the
-    producer, made a `next` with batches waiting take a median 8-37 us on a busy host, ~2% of a
-    0.5 ms step.
+    the devices; at most `prefetch` placed batches wait (and one more is being made). It is one
+    thread, not a reading and a placing stage: both are mostly Python that holds the GIL, and
+    two threads handing batches over cost more than they overlapped (0.70-0.87 vs 0.47-0.54 ms
+    per 64x1024 batch on 2 CPU cores). The channels are `queue.SimpleQueue`s, one for batches
+    and one for free slots: taking a ready batch is one C call, where `queue.Queue`'s
+    Python-level lock, shared with the producer, made a `next` with batches waiting take a
+    median 8-37 us on a busy host, ~2% of a 0.5 ms step.
 
     With `packed`, batches whose fields share one shape and 4-byte dtypes arrive as a
     `PackedBatch`: one array, one transfer (see `input_pipeline.packed`); for consumers whose
