@@ -148,3 +148,32 @@ def test_cpu_steps_rotate_three_states_and_leave_the_saved_one_alone(program, tm
         checkpointer.wait()
         checkpointer.close()
     assert len(seen) == 3
+
+
+def test_with_one_spare_cpu_steps_keep_to_two_states(program, tmp_path):
+    """Where three states do not fit, one spare: still no state allocated after the first step,
+    the saved state still never donated, and the same losses as plain in-place steps."""
+    overlap = SaveOverlap(program, spare_states=1)
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=10))
+    with jax.set_mesh(program.mesh):
+        plain, plain_losses = program.init(), []
+        for batch in batches(program, 9):
+            plain, metrics = program.train_step(plain, batch)
+            plain_losses.append(float(metrics["loss"]))
+        state, losses = program.init(), []
+        meta = {"param_shapes": param_shapes(state.params)}
+        seen, saved = {tuple(buffer_addresses(state))}, None
+        for step, batch in enumerate(batches(program, 9), start=1):
+            state, metrics = overlap.step(state, batch)
+            losses.append(float(metrics["loss"]))
+            seen.add(tuple(buffer_addresses(state)))
+            if saved is not None:
+                assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
+            if step in (3, 6):
+                checkpointer.save(step, state, None, meta)
+                overlap.saving(state)
+                saved = state
+        checkpointer.wait()
+        checkpointer.close()
+    assert len(seen) == 2
+    assert losses == plain_losses

@@ -31,7 +31,7 @@ from trainer.program import TrainProgram
 from trainer.state import TrainState
 
 WRITER_THREAD = "ts_pool_worker"  # TensorStore's thread pool, which does Orbax's writing
-SPARE_STATES = 2  # on host CPUs: with the current state, three train states of memory
+SPARE_STATES = 2  # on host CPUs, memory allowing: with the current state, three train states
 
 
 def devices_are_host_cpus(program: TrainProgram) -> bool:
@@ -68,11 +68,16 @@ class SaveOverlap:
     the 125m step into a spare against 0.83 GB in place (fresh memory every step). Two spares
     are made at the first step, before any save: three train states of host memory in all, so
     no step ever allocates a state (fresh pages) while a write runs. They are used in turn, so
-    none goes cold."""
+    none goes cold. Where three states would take more than half the host's memory, one spare
+    is made (two states, what a save on CPU needs anyway): the steps between the one after a
+    save and the next save then update in place."""
 
-    def __init__(self, program: TrainProgram, enabled: bool | None = None):
+    def __init__(
+        self, program: TrainProgram, enabled: bool | None = None, spare_states: int | None = None
+    ):
         self._program = program
         self.enabled = devices_are_host_cpus(program) if enabled is None else enabled
+        self._spare_states = spare_states  # None: by the host's memory, at the first step
         self._being_saved: TrainState | None = None
         self._spares: deque[TrainState] = deque()
         self._blank = jax.jit(
@@ -90,14 +95,31 @@ class SaveOverlap:
         idle_writer_threads()
 
     def step(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        """One train step: into the oldest spare on host CPUs, in place elsewhere."""
+        """One train step: into the oldest spare on host CPUs, in place elsewhere (and on CPU
+        when no spare is free and no save reads `state`)."""
         if not self.enabled:
             return self._program.train_step(state, batch)
-        if not self._spares:  # the first step, or state changed hands without this class
-            self._spares.extend(self._blank(state) for _ in range(SPARE_STATES))
+        if self._spare_states is None:  # the first step
+            self._spare_states = spares_that_fit(state)
+            self._spares.extend(self._blank(state) for _ in range(self._spare_states))
+        saved = state is self._being_saved
+        if not self._spares:
+            if not saved:
+                return self._program.train_step(state, batch)
+            self._spares.append(self._blank(state))  # only if saves come faster than steps
         new_state, metrics = self._program.train_step_into(self._spares.popleft(), state, batch)
-        if state is not self._being_saved:
-            self._spares.append(state)
-        else:
+        if saved:
             idle_writer_threads()  # the pool may have grown since the save started
+        else:
+            self._spares.append(state)
         return new_state, metrics
+
+
+def spares_that_fit(state: TrainState) -> int:
+    """2 where three train states fit in half the host's memory, else 1."""
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    try:
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: be frugal
+        return 1
+    return SPARE_STATES if (SPARE_STATES + 1) * state_bytes <= host_bytes // 2 else 1
