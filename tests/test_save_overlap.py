@@ -126,54 +126,45 @@ def _alive(task: int) -> bool:
     return os.path.exists(f"/proc/self/task/{task}")
 
 
-def test_cpu_steps_rotate_three_states_and_leave_the_saved_one_alone(program, tmp_path):
-    """Every CPU step writes into a spare: after the first step no step allocates a state (the
-    new states live in the same three sets of buffers), and the state a save is reading is never
-    donated until the next save starts."""
-    overlap = SaveOverlap(program)
-    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=10))
+def steps_with_saves(program, overlap, folder, count=9, save_at=(3, 6)):
+    """Step through `overlap` with async saves at `save_at`, checking after every step that the
+    state being saved was not donated; returns the losses and the distinct state buffer sets."""
+    checkpointer = Checkpointer(folder, CheckpointConfig(keep=10))
     with jax.set_mesh(program.mesh):
-        state = program.init()
+        state, losses = program.init(), []
         meta = {"param_shapes": param_shapes(state.params)}
         seen, saved = {tuple(buffer_addresses(state))}, None
-        for step, batch in enumerate(batches(program, 9), start=1):
-            state, _ = overlap.step(state, batch)
+        for step, batch in enumerate(batches(program, count), start=1):
+            state, metrics = overlap.step(state, batch)
+            losses.append(float(metrics["loss"]))
             seen.add(tuple(buffer_addresses(state)))
             if saved is not None:
                 assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
-            if step in (3, 6):
+            if step in save_at:
                 checkpointer.save(step, state, None, meta)
                 overlap.saving(state)
                 saved = state
         checkpointer.wait()
         checkpointer.close()
+    return losses, seen
+
+
+def test_cpu_steps_rotate_three_states_and_leave_the_saved_one_alone(program, tmp_path):
+    """Every CPU step writes into a spare: after the first step no step allocates a state (the
+    new states live in the same three sets of buffers), and the state a save is reading is never
+    donated until the next save starts."""
+    _, seen = steps_with_saves(program, SaveOverlap(program), tmp_path)
     assert len(seen) == 3
 
 
 def test_with_one_spare_cpu_steps_keep_to_two_states(program, tmp_path):
     """Where three states do not fit, one spare: still no state allocated after the first step,
     the saved state still never donated, and the same losses as plain in-place steps."""
-    overlap = SaveOverlap(program, spare_states=1)
-    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=10))
     with jax.set_mesh(program.mesh):
         plain, plain_losses = program.init(), []
         for batch in batches(program, 9):
             plain, metrics = program.train_step(plain, batch)
             plain_losses.append(float(metrics["loss"]))
-        state, losses = program.init(), []
-        meta = {"param_shapes": param_shapes(state.params)}
-        seen, saved = {tuple(buffer_addresses(state))}, None
-        for step, batch in enumerate(batches(program, 9), start=1):
-            state, metrics = overlap.step(state, batch)
-            losses.append(float(metrics["loss"]))
-            seen.add(tuple(buffer_addresses(state)))
-            if saved is not None:
-                assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
-            if step in (3, 6):
-                checkpointer.save(step, state, None, meta)
-                overlap.saving(state)
-                saved = state
-        checkpointer.wait()
-        checkpointer.close()
+    losses, seen = steps_with_saves(program, SaveOverlap(program, spare_states=1), tmp_path)
     assert len(seen) == 2
     assert losses == plain_losses
