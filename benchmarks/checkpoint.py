@@ -7,7 +7,8 @@ Builds the config's model (125m preset: 134M parameters, ~1.6 GB of fp32 state w
 the local devices, then measures in the same process:
   sync_s      a synchronous save (`checkpoint.async=false`), start to finished on disk;
   block_s     what an async save blocks the caller for;
-  step_s      median step time with no save in flight;
+  step_s      median step time with no save in flight (and, as a check against the machine's
+              drift, the median of those and as many quiet steps right after the write);
   busy_step_s mean time of the steps that start while an async save is still being written.
 Every step, quiet or busy, is stepped the way the trainer's loop steps
 (`trainer.save_overlap.SaveOverlap`: on CPU each step writes into a spare state, and the
@@ -115,8 +116,13 @@ def main() -> None:
                 state, times = timed_steps(overlap.step, state, batch, 1)
                 busy += times
             write_s = time.perf_counter() - write_start
+            background.wait()
+            # Quiet steps again, right after the write: this shared machine drifts (quiet medians
+            # of 1.0-1.3 s between runs), so the check below brackets the busy window.
+            state, quiet_after = timed_steps(overlap.step, state, batch, args.steps)
             background.close()
     step_s, busy_s = statistics.median(quiet), statistics.mean(busy)
+    bracket_s = statistics.median(quiet + quiet_after)
     print(
         f"sync save {sync_s:.2f}s; async save blocked {block_s:.3f}s "
         f"({block_s / sync_s:.3f}x of sync, target <= 0.10x)"
@@ -126,6 +132,11 @@ def main() -> None:
         f"(mean of the {len(busy)} steps that overlapped the write; {busy_s / step_s:.2f}x, "
         f"target <= 1.10x); the background write took {write_s:.1f}s; busy steps: "
         + " ".join(f"{t:.2f}" for t in busy)
+    )
+    print(
+        f"check: against the median of the quiet steps before and after the write "
+        f"({bracket_s:.3f}s; after: {statistics.median(quiet_after):.3f}s) the busy steps are "
+        f"{busy_s / bracket_s:.2f}x"
     )
 
 
