@@ -128,16 +128,16 @@ def _alive(task: int) -> bool:
 
 def steps_with_saves(program, overlap, folder, count=9, save_at=(3, 6)):
     """Step through `overlap` with async saves at `save_at`, checking after every step that the
-    state being saved was not donated; returns the losses and the distinct state buffer sets."""
+    state being saved was not donated; returns the losses and the state buffer sets, in order."""
     checkpointer = Checkpointer(folder, CheckpointConfig(keep=10))
     with jax.set_mesh(program.mesh):
         state, losses = program.init(), []
         meta = {"param_shapes": param_shapes(state.params)}
-        seen, saved = {tuple(buffer_addresses(state))}, None
+        seen, saved = [tuple(buffer_addresses(state))], None
         for step, batch in enumerate(batches(program, count), start=1):
             state, metrics = overlap.step(state, batch)
             losses.append(float(metrics["loss"]))
-            seen.add(tuple(buffer_addresses(state)))
+            seen.append(tuple(buffer_addresses(state)))
             if saved is not None:
                 assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(saved))
             if step in save_at:
@@ -154,7 +154,8 @@ def test_cpu_steps_rotate_three_states_and_leave_the_saved_one_alone(program, tm
     new states live in the same three sets of buffers), and the state a save is reading is never
     donated until the next save starts."""
     _, seen = steps_with_saves(program, SaveOverlap(program), tmp_path)
-    assert len(seen) == 3
+    assert seen[1] != seen[0]  # the first step already went into a spare
+    assert len(set(seen)) == 3
 
 
 def test_with_one_spare_cpu_steps_keep_to_two_states(program, tmp_path):
@@ -166,5 +167,6 @@ def test_with_one_spare_cpu_steps_keep_to_two_states(program, tmp_path):
             plain, metrics = program.train_step(plain, batch)
             plain_losses.append(float(metrics["loss"]))
     losses, seen = steps_with_saves(program, SaveOverlap(program, spare_states=1), tmp_path)
-    assert len(seen) == 2
+    assert seen[1] != seen[0]  # the spare is made at the first step, not mid-write
+    assert len(set(seen)) == 2
     assert losses == plain_losses

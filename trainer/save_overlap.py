@@ -78,6 +78,7 @@ class SaveOverlap:
         self._program = program
         self.enabled = devices_are_host_cpus(program) if enabled is None else enabled
         self._spare_states = spare_states  # None: by the host's memory, at the first step
+        self._spares_made = False
         self._being_saved: TrainState | None = None
         self._spares: deque[TrainState] = deque()
         self._blank = jax.jit(
@@ -99,9 +100,10 @@ class SaveOverlap:
         when no spare is free and no save reads `state`)."""
         if not self.enabled:
             return self._program.train_step(state, batch)
-        if self._spare_states is None:  # the first step
-            self._spare_states = spares_that_fit(state)
-            self._spares.extend(self._blank(state) for _ in range(self._spare_states))
+        if not self._spares_made:  # the first step
+            count = spares_that_fit(state) if self._spare_states is None else self._spare_states
+            self._spares.extend(self._blank(state) for _ in range(count))
+            self._spares_made = True
         saved = state is self._being_saved
         if not self._spares:
             if not saved:
