@@ -201,12 +201,8 @@ class BatchBlocks:
         return self._fields(len(self._blocks) - 1)
 
     def _fields(self, index: int) -> dict[str, np.ndarray]:
-        block, start, size, stride = (
-            self._blocks[index],
-            self._starts[index],
-            self._size,
-            self._stride,
-        )
+        block, start = self._blocks[index], self._starts[index]
+        size, stride = self._size, self._stride
         return {
             name: block[start + i * stride : start + i * stride + size * 4].view(dtype)
             for i, (name, dtype) in enumerate(FIELDS.items())
