@@ -95,8 +95,8 @@ class DeviceFeed:
         try:
             for host_batch in self._iterator:
                 state = self._iterator.get_state() if hasattr(self._iterator, "get_state") else None
-                if self._packed:
-                    host_batch = pack(host_batch) or host_batch
+                if self._packed and (packed := pack(host_batch)) is not None:
+                    host_batch = packed  # (a PackedBatch is a Mapping: never test its truth)
                 item = (to_global(host_batch, self._sharding), state)
                 if not self._take_free_slot():
                     return
