@@ -31,7 +31,7 @@ import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 import numpy as np
 
-from benchmarks import thread_cpu
+from benchmarks import _thread_cpu as thread_cpu
 from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
