@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 TASKS = Path("/proc/self/task")
-CPU_TIMES = dict[str, tuple[float, float]]  # thread name -> (user seconds, system seconds)
+CpuTimes = dict[str, tuple[float, float]]  # thread name -> (user seconds, system seconds)
 Snapshot = dict[str, tuple[str, float, float]]  # thread id -> (name, user s, system s)
 
 
@@ -35,7 +35,7 @@ def snapshot() -> Snapshot:
     return threads
 
 
-def spent(before: Snapshot, after: Snapshot) -> CPU_TIMES:
+def spent(before: Snapshot, after: Snapshot) -> CpuTimes:
     """CPU seconds used between two snapshots, summed by thread name. Threads born since
     count from zero; a thread that ended meanwhile is missing, with its time."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])

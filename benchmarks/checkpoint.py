@@ -69,7 +69,7 @@ class Window:
     """Steps timed together, and the CPU seconds each thread name used meanwhile."""
 
     times: list[float]
-    cpu: thread_cpu.CPU_TIMES
+    cpu: thread_cpu.CpuTimes
 
     def per_step(self, name: str) -> str:
         user, system = self.cpu.get(name, (0.0, 0.0))
