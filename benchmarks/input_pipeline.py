@@ -49,6 +49,7 @@ from input_pipeline.dataset_info import INFO_FILE, DatasetInfo, load_dataset_inf
 from input_pipeline.device import DeviceFeed  # noqa: E402
 from input_pipeline.pipeline import make_batch_iterator  # noqa: E402
 from input_pipeline.prepare import prepare_dataset  # noqa: E402
+from input_pipeline.reading import Reading  # noqa: E402
 from input_pipeline.tfrecords import FEATURE, SHUFFLE_RECORDS, tensorflow  # noqa: E402
 from trainer import sharding  # noqa: E402
 from trainer.config import Config, DataConfig, MeshConfig, load_config  # noqa: E402
@@ -169,7 +170,9 @@ def check_same_batches(arrayrecord: DatasetInfo, paths: list[str], data: DataCon
     """Unshuffled, both pipelines read the records in the same order: their batches must be
     equal, so the rates below compare the same work."""
     shape = dict(seq_len=data.seq_len, batch_size=data.global_batch_size)
-    grain_batches = make_batch_iterator(arrayrecord, "train", shuffle=False, **shape)
+    grain_batches = make_batch_iterator(
+        arrayrecord, "train", reading=Reading(shuffle=False), **shape
+    )
     tf_batches = tfdata_batches(paths, **shape, shuffle=False, seed=0).as_numpy_iterator()
     for index in range(5):
         ours, theirs = next(grain_batches), next(tf_batches)

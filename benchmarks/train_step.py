@@ -1,12 +1,15 @@
-"""Issue 4 claims, measured in one run on this machine:
+"""Issue 4 and 17 claims, measured in one run on this machine:
 
 1. compile time of the train step at 4 vs 32 layers (the layer scan keeps the ratio near 1);
 2. steady step time of the real trainer loop (`trainer.train.run`: Grain data, device feed,
-   metrics, checkpoints off the hot path) vs a bare `jax.jit` loop over the same model and
-   optimizer on pre-made device batches (target <= 1.05x);
-3. tokens/s of the trainer for the given configs.
+   metrics every step, checkpoints off the hot path) vs a bare loop that calls the same step
+   (`TrainProgram.stepper`: same step function, same buffer strategy) on batches already on the
+   devices, so the ratio is the loop's own overhead (target <= 1.05x);
+3. with `--against DIR` (a checkout of another commit), the trainer loop's step time of that
+   checkout beside this one's, in interleaved rounds (target: at most 1.05x slower here).
 
     python benchmarks/train_step.py [--steps 60] [--rounds 3] [--configs A.yaml B.yaml]
+                                    [--against /path/to/other/checkout]
 """
 
 from __future__ import annotations
@@ -15,16 +18,15 @@ import argparse
 import functools
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
 from trainer import sharding
 from trainer.config import Config, load_config
@@ -73,35 +75,25 @@ def compile_seconds(config_path: str, num_layers: int) -> float:
 
 
 def bare_step_seconds(config: Config, vocab_size: int, batches: list[dict], steps: int) -> float:
-    """The baseline: the same model and AdamW in the shortest jitted loop one could write."""
-    model = builder(config, vocab_size)(rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1))
-    opt_state = tx.init(params)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(batch).astype(jnp.float32)
-            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], -1)
-            return jnp.mean(nll)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    device_batches = [jax.device_put(b) for b in batches]
-    params, opt_state, loss = step(params, opt_state, device_batches[0])
-    jax.block_until_ready(loss)
-    start = time.perf_counter()
-    for i in range(steps):
-        params, opt_state, loss = step(params, opt_state, device_batches[i % len(device_batches)])
-    jax.block_until_ready(loss)
+    """The baseline: the trainer's own step on pre-placed batches, in the shortest loop."""
+    mesh = sharding.make_mesh(config.mesh)
+    program = build_program(config, mesh, builder(config, vocab_size))
+    step = program.stepper()
+    device_batches = [jax.device_put(b, program.batch_sharding) for b in batches]
+    with jax.set_mesh(mesh):
+        state = program.init()
+        state, metrics = step(state, device_batches[0])
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for i in range(steps):
+            state, metrics = step(state, device_batches[i % len(device_batches)])
+        jax.block_until_ready(metrics)
     return (time.perf_counter() - start) / steps
 
 
 def trainer_step_seconds(config_path: str, steps: int) -> tuple[float, float, Config]:
-    """Median logged step time of a real run (first 10 steps, which include compile, skipped)."""
+    """Median logged step time of a real run (first 10 steps, which include compile, skipped);
+    every step is logged, so each line's mean is one step."""
     with tempfile.TemporaryDirectory() as workdir:
         config = load_config(
             config_path,
@@ -122,6 +114,18 @@ def trainer_step_seconds(config_path: str, steps: int) -> tuple[float, float, Co
     return statistics.median(times), max(waits), config
 
 
+def other_checkout_step_seconds(checkout: str, config_path: str, steps: int) -> float:
+    """`trainer_step_seconds` of another checkout's code, in a fresh process (its own imports)."""
+    script = (
+        "import sys; sys.path[:0] = ['.', 'benchmarks']; import train_step; "
+        f"print(train_step.trainer_step_seconds({str(Path(config_path).resolve())!r}, {steps})[0])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=checkout, capture_output=True, text=True, check=True
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -129,6 +133,7 @@ def main() -> None:
     parser.add_argument(
         "--configs", nargs="+", default=["configs/demo.yaml", "configs/nanogpt_cpu.yaml"]
     )
+    parser.add_argument("--against", help="another checkout whose trainer step to time alongside")
     args = parser.parse_args()
     print(f"devices: {jax.devices()}")
     c4, c32 = compile_seconds(args.configs[0], 4), compile_seconds(args.configs[0], 32)
@@ -137,25 +142,37 @@ def main() -> None:
         f"ratio {c32 / c4:.2f}x"
     )
     for path in args.configs:
-        ratios, trainer_times, bare_times, waits = [], [], [], []
-        for _ in range(args.rounds):  # interleaved: a busy neighbour slows both sides alike
+        trainer_times, bare_times, other_times, waits = [], [], [], []
+        for _ in range(args.rounds):  # interleaved: a busy neighbour slows every side alike
             trainer_s, max_wait, config = trainer_step_seconds(path, args.steps)
             info = load_dataset(config)
             host = lm_batches(config, info, "train")
             batches = [next(host) for _ in range(8)]
-            bare_s = bare_step_seconds(config, info.vocab_size, batches, args.steps)
-            ratios.append(trainer_s / bare_s)
+            bare_times.append(bare_step_seconds(config, info.vocab_size, batches, args.steps))
             trainer_times.append(trainer_s)
-            bare_times.append(bare_s)
             waits.append(max_wait)
+            if args.against:
+                other_times.append(other_checkout_step_seconds(args.against, path, args.steps))
+        ratios = [t / b for t, b in zip(trainer_times, bare_times, strict=True)]
         trainer_s, bare_s = statistics.median(trainer_times), statistics.median(bare_times)
         tokens = config.data.global_batch_size * config.data.seq_len
         print(
             f"{path}: trainer {trainer_s * 1e3:.1f} ms/step ({tokens / trainer_s:,.0f} tokens/s, "
-            f"max data_wait_frac {max(waits):.3f}); bare jit loop {bare_s * 1e3:.1f} ms/step; "
+            f"max data_wait_frac {max(waits):.3f}); bare loop {bare_s * 1e3:.1f} ms/step; "
             f"ratio median {statistics.median(ratios):.3f}x over {args.rounds} rounds "
             f"({', '.join(f'{r:.3f}' for r in ratios)})"
         )
+        if other_times:
+            other_s = statistics.median(other_times)
+            print(
+                f"{path}: {args.against} trainer {other_s * 1e3:.1f} ms/step; this checkout "
+                f"{trainer_s * 1e3:.1f} ms/step: {trainer_s / other_s:.3f}x (rounds: "
+                + ", ".join(
+                    f"{t * 1e3:.1f} vs {o * 1e3:.1f}"
+                    for t, o in zip(trainer_times, other_times, strict=True)
+                )
+                + ")"
+            )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """A non-text model through the library: scikit-learn's handwritten digits (1,797 8x8 images,
 shipped inside the package, nothing downloaded) written to ArrayRecord, read back through Grain,
-and trained with `trainer.run` — sharded, bf16, checkpointed, resumable.
+and trained with `trainer.run` — sharded over the mesh, checkpointed, resumable. The model is
+float32 throughout: `precision.*` applies to `model.kind` models, not to a module passed in.
 
     python examples/digits_classifier.py [--steps 400] [--workdir workdirs/digits]
 
-Prints the test accuracy (>= 0.95 expected in about a minute on a 2-core CPU).
+Prints the test accuracy: 0.983 (354 of 360 held-out digits) with the defaults, in about 15 s
+wall clock on an idle 2-core CPU, Python start and imports included (about 9 s of training).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> float:
     config = trainer.load_config(
         None,
         [
+            "run.name=digits",
             f"run.workdir={workdir}",
             f"run.steps={args.steps}",
             "optim.lr=3e-3",

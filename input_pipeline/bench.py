@@ -24,6 +24,7 @@ from input_pipeline.corpora import resolve_dataset  # noqa: E402
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info  # noqa: E402
 from input_pipeline.errors import DataError  # noqa: E402
 from input_pipeline.pipeline import make_batch_iterator  # noqa: E402
+from input_pipeline.reading import Reading  # noqa: E402
 
 FORMAT_NAMES = {"arrayrecord": "ArrayRecord", "tfrecord": "TFRecord"}
 
@@ -36,11 +37,13 @@ def configured_batches(info: DatasetInfo, data, seed: int) -> Iterator[dict[str,
         seq_len=data.seq_len,
         batch_size=data.global_batch_size,
         packing=data.packing,
-        shuffle=data.shuffle,
-        seed=seed,
-        read_threads=data.read_threads,
-        workers=data.workers,
-        reader=data.reader,
+        reading=Reading(
+            shuffle=data.shuffle,
+            seed=seed,
+            read_threads=data.read_threads,
+            workers=data.workers,
+            reader=data.reader,
+        ),
     )
 
 

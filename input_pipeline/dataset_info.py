@@ -63,7 +63,7 @@ class DatasetInfo:
     def verify_checksums(self) -> None:
         """Compare every shard with the sha256 `prepare` recorded: a shard changed or damaged
         since then fails here, before training, rather than as odd batches later. Shards are
-        hashed on parallel threads (hashlib releases the GIL); about 1 s per GB per core."""
+        hashed on parallel threads (hashlib releases the GIL)."""
         shards = [
             (path, shard.get("sha256"))
             for name in self.raw.get("splits", {})

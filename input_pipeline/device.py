@@ -11,45 +11,22 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
-
-from input_pipeline.packed import PackedBatch, pack
+from jax.sharding import NamedSharding
 
 _END = object()
 
 
-def to_global(
-    batch: Mapping[str, np.ndarray] | PackedBatch, sharding: NamedSharding
-) -> dict[str, jax.Array] | PackedBatch:
-    """This host's rows -> global arrays (rows of all hosts, in process order): one per field of
-    a dict, or the one block of a `PackedBatch` (its rows are axis 1, sharded like a field's
-    axis 0).
-
-    One call for the whole dict, so JAX places every field in a single batched transfer. On one
-    process this host's rows are the global batch, and `device_put` places them for half the
-    Python of `make_array_from_process_local_data` (0.13 vs 0.25-0.27 ms per 64x1024 batch of
-    5 fields on CPU): that Python holds the GIL the packer needs."""
-    if isinstance(batch, PackedBatch):
-        block_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-        block = _place(batch.block, block_sharding, rows_axis=1)
-        return PackedBatch(block, batch.names, batch.dtypes)
+def to_global(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """This host's rows -> one global array per field (rows of all hosts, in process order), each
+    with `sharding`: the batch sharding the jitted steps declare."""
     local = {name: np.asarray(value) for name, value in batch.items()}
-    return _place(local, sharding, rows_axis=0)
-
-
-def _place(local: Any, sharding: NamedSharding, rows_axis: int) -> Any:
     processes = jax.process_count()
-    if processes == 1:
+    if processes == 1:  # this host's rows are the global batch: one batched transfer
         return jax.device_put(local, sharding)
-
-    def global_shape(value: np.ndarray) -> tuple[int, ...]:
-        shape = list(value.shape)
-        shape[rows_axis] *= processes
-        return tuple(shape)
-
-    return jax.make_array_from_process_local_data(
-        sharding, local, jax.tree.map(global_shape, local)
-    )
+    global_shapes = {
+        name: (value.shape[0] * processes, *value.shape[1:]) for name, value in local.items()
+    }
+    return jax.make_array_from_process_local_data(sharding, local, global_shapes)
 
 
 class DeviceFeed:
@@ -57,29 +34,13 @@ class DeviceFeed:
     that batch was read, i.e. what a checkpoint taken after consuming it must store.
 
     One background thread reads a host batch, takes the iterator's state and places the batch on
-    the devices; at most `prefetch` placed batches wait (and one more is being made). It is one
-    thread, not a reading and a placing stage: both are mostly Python that holds the GIL, and
-    two threads handing batches over cost more than they overlapped (0.70-0.87 vs 0.47-0.54 ms
-    per 64x1024 batch on 2 CPU cores). The channels are `queue.SimpleQueue`s, one for batches
-    and one for free slots: taking a ready batch is one C call, where `queue.Queue`'s
-    Python-level lock, shared with the producer, made a `next` with batches waiting take a
-    median 8-37 us on a busy host, ~2% of a 0.5 ms step.
+    the devices; at most `prefetch` placed batches wait (and one more is being made). Reading
+    and placing share one thread: both are mostly Python holding the GIL, so a second thread
+    would add a hand-over and overlap nothing."""
 
-    With `packed`, batches whose fields share one shape and 4-byte dtypes arrive as a
-    `PackedBatch`: one array, one transfer (see `input_pipeline.packed`); for consumers whose
-    jitted step unpacks them, as the trainer's does."""
-
-    def __init__(
-        self,
-        host_iterator: Iterator,
-        sharding: NamedSharding,
-        prefetch: int = 4,
-        *,
-        packed: bool = False,
-    ):
+    def __init__(self, host_iterator: Iterator, sharding: NamedSharding, prefetch: int = 4):
         self._iterator = host_iterator
         self._sharding = sharding
-        self._packed = packed
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._free_slots: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, prefetch)):
@@ -95,8 +56,6 @@ class DeviceFeed:
         try:
             for host_batch in self._iterator:
                 state = self._iterator.get_state() if hasattr(self._iterator, "get_state") else None
-                if self._packed and (packed := pack(host_batch)) is not None:
-                    host_batch = packed  # (a PackedBatch is a Mapping: never test its truth)
                 item = (to_global(host_batch, self._sharding), state)
                 if not self._take_free_slot():
                     return

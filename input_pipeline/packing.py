@@ -1,12 +1,11 @@
 """Concat packing, a whole batch at a time.
 
 The records of a split are concatenated into one stream of next-token pairs and cut into rows of
-`seq_len`; a batch is the next `batch_size * seq_len` pairs of that stream. Records average ~10k
-tokens, so a 64x1024 batch is a handful of records: one slice copy per record into the batch
-arrays, whole-batch fills for `segment_ids`, `positions` and `weights`, and two slice updates per
-document that starts inside a row -- O(records + rows) numpy calls and no per-token Python, where
-Grain's ConcatThenSplit + a per-row map + `.batch` stacking spent Python per row and per element
-(the chain ran at 0.03x of the raw read rate).
+`seq_len`; a batch is the next `batch_size * seq_len` pairs of that stream: one slice copy per
+record into the batch arrays, whole-batch fills for `segment_ids`, `positions` and `weights`, and
+two slice updates per document that starts inside a row -- O(records + rows) numpy calls and no
+per-token Python, where Grain's ConcatThenSplit + a per-row map + `.batch` stacking spent Python
+per row and per element.
 
 Batches are exactly what ConcatThenSplit + `.batch` + `PadBatch` gave: the same tokens in the
 same order, a document cut at a row end goes on at position 0 of the next row, segment ids
@@ -17,7 +16,6 @@ skipped here, where ConcatThenSplit spent a segment id on it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +32,6 @@ FIELDS = {
     "positions": np.int32,
     "weights": np.float32,
 }
-ALIGN = 64  # bytes
 
 
 class ConcatPackIterDataset(grain.IterDataset):
@@ -67,7 +64,6 @@ class ConcatPackIterator(grain.DatasetIterator):
         super().__init__(parent)
         self._shape = (batch_size, seq_len)
         self._size = batch_size * seq_len
-        self._blocks = BatchBlocks(self._size)
         self._row_positions = np.arange(seq_len, dtype=np.int32)
         # Most rows lie inside one document: positions 0..L-1 and segment id 1 throughout.
         self._positions = np.tile(self._row_positions, batch_size)
@@ -99,7 +95,7 @@ class ConcatPackIterator(grain.DatasetIterator):
 
     def __next__(self) -> dict[str, np.ndarray]:
         self._assert_not_closed()
-        fields = self._blocks.take()
+        fields = {name: np.empty(self._size, dtype) for name, dtype in FIELDS.items()}
         inputs, targets = fields["inputs"], fields["targets"]
         document_starts = []  # flat offsets where a document begins inside this batch
         filled = 0
@@ -165,45 +161,3 @@ class ConcatPackIterator(grain.DatasetIterator):
 
     def __str__(self) -> str:
         return f"ConcatPackIterator(batch={self._shape})"
-
-
-class BatchBlocks:
-    """Memory for batches: one block per batch holding every field, each at a 64-byte boundary
-    and at equal spacing. Aligned, JAX's CPU backend aliases the fields instead of copying them
-    into device buffers (`to_global` went from ~0.8 to ~0.3 ms per 64x1024 batch); equally
-    spaced, `input_pipeline.packed.pack` views them as one `[5, B, L]` array without a copy.
-
-    Blocks are reused once nothing refers to them any more (no field view, no device array
-    aliasing one, no batch dict): a fresh 1.3 MB block per batch cost page faults -- ~4-6% of
-    64x1024 batches took ~1.4 ms instead of ~0.3 -- and, under `glibc.malloc.hugetlb=1`, a
-    zeroed huge page. At most `keep` blocks are kept: a consumer that holds on to batches gets
-    fresh ones, and the blocks it holds are freed with its references."""
-
-    def __init__(self, size: int, keep: int = 16):
-        self._size = size  # tokens per field
-        self._stride = -(-size * 4 // ALIGN) * ALIGN  # every field is 4 bytes per token
-        self._keep = keep
-        self._blocks: list[np.ndarray] = []  # each owns its memory: views' `.base` is the block
-        self._starts: list[int] = []  # offset of the first 64-byte boundary in each
-
-    def take(self) -> dict[str, np.ndarray]:
-        """Fields of a block no one else refers to (its contents are stale: the packer writes
-        every element)."""
-        for index in range(len(self._blocks)):
-            # references: the list and getrefcount's argument -- nothing else
-            if sys.getrefcount(self._blocks[index]) == 2:
-                return self._fields(index)
-        if len(self._blocks) >= self._keep:  # forget the oldest busy block; its holder frees it
-            del self._blocks[0], self._starts[0]
-        block = np.empty(len(FIELDS) * self._stride + ALIGN, np.uint8)
-        self._blocks.append(block)
-        self._starts.append(-block.ctypes.data % ALIGN)
-        return self._fields(len(self._blocks) - 1)
-
-    def _fields(self, index: int) -> dict[str, np.ndarray]:
-        block, start = self._blocks[index], self._starts[index]
-        size, stride = self._size, self._stride
-        return {
-            name: block[start + i * stride : start + i * stride + size * 4].view(dtype)
-            for i, (name, dtype) in enumerate(FIELDS.items())
-        }

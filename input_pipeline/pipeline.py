@@ -10,7 +10,6 @@ Batch contract: `inputs`, `targets`, `segment_ids`, `positions` int32 `[B, L]`, 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import grain
 import numpy as np
@@ -18,15 +17,15 @@ import numpy as np
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.packing import ConcatPackIterDataset
+from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord
 from input_pipeline.tfrecords import tfrecord_pairs
 
 PACKING_MODES = ("concat", "first_fit")
 FEATURES = ("inputs", "targets")
-# One Grain element per ArrayRecord read of ~1M tokens (~16 batches of 64x1024, at most
-# MAX_READ_RECORDS records): fewer, larger reads spread decompression over ArrayRecord's own
-# threads; on 2 cores they took the chain from ~0.53x to ~0.67x of the raw read rate (256k-token
-# reads -> 1M). Restoring a checkpoint re-reads one read.
+# One Grain element per ArrayRecord read of ~1M tokens (at most MAX_READ_RECORDS records): fewer,
+# larger reads spread decompression over ArrayRecord's own threads (BENCHMARKS.md). Restoring a
+# checkpoint re-reads one read.
 READ_TOKENS = 1 << 20
 MAX_READ_RECORDS = 4096
 
@@ -37,8 +36,8 @@ class ReadRecords(grain.transforms.Map):
 
     A read of many records per Grain element keeps Grain's per-element cost (a thread-pool
     future, its stats) off the per-record path, and a numpy permutation per epoch costs nothing
-    per record where Grain's `index_shuffle` took ~15 us. Records `CheckedSource` could not
-    read (`data.skip_corrupt`) are dropped."""
+    per record, where Grain's `index_shuffle` costs a call per record. Records `CheckedSource`
+    could not read (`data.skip_corrupt`) are dropped."""
 
     def __init__(
         self,
@@ -133,29 +132,16 @@ class PadBatch(grain.transforms.Map):
         }
 
 
-def arrayrecord_pairs(
-    info: DatasetInfo,
-    split: str,
-    *,
-    reader: str,
-    shuffle: bool,
-    seed: int,
-    num_epochs: int | None,
-    read_threads: int,
-    process_index: int,
-    process_count: int,
-    skip_corrupt: bool,
-    skip_log: Path | None,
-) -> grain.IterDataset:
+def arrayrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.IterDataset:
     """This host's decoded `{"inputs", "targets"}` records of an ArrayRecord split, a list of
     ~`READ_TOKENS` tokens of records per element: split -> global shuffle (new order every
-    epoch) -> repeat -> read + decode, on `read_threads` reader threads."""
+    epoch) -> repeat -> read + decode, on `reading.read_threads` threads."""
     if info.format != "arrayrecord":
         raise DataError(
             f"{info.path} has format {info.format!r}; this version reads arrayrecord or "
             "tfrecord: re-run python -m input_pipeline.prepare --overwrite"
         )
-    if reader == "tfdata":
+    if reading.reader == "tfdata":
         raise DataError(
             f"data.reader=tfdata reads TFRecord data but {info.path} is ArrayRecord; use "
             "data.reader=auto, or prepare it with --format tfrecord"
@@ -164,28 +150,30 @@ def arrayrecord_pairs(
     source = CheckedSource(
         info.shard_paths(split),
         [s["records"] for s in shards],
-        skip_corrupt=skip_corrupt,
-        skip_log=skip_log,
+        skip_corrupt=reading.skip_corrupt,
+        skip_log=reading.skip_log,
     )
     mean_tokens = info.split(split)["tokens"] / max(1, len(source))
     reads = ReadRecords(
         source,
         dtype=info.token_dtype,
-        host_index=process_index,
-        host_count=process_count,
-        shuffle=shuffle,
-        seed=seed,
-        num_epochs=num_epochs,
+        host_index=reading.process_index,
+        host_count=reading.process_count,
+        shuffle=reading.shuffle,
+        seed=reading.seed,
+        num_epochs=reading.num_epochs,
         per_read=min(MAX_READ_RECORDS, max(1, round(READ_TOKENS / max(1.0, mean_tokens)))),
     )
     if reads.host_records == 0:
         raise DataError(
-            f"{info.path} {split} split has no records for data stream {process_index} of "
-            f"{process_count}; prepare more data or set a lower data.streams"
+            f"{info.path} {split} split has no records for data stream "
+            f"{reading.process_index} of {reading.process_count}; prepare more data or set a "
+            "lower data.streams"
         )
     # One read in flight per thread: Grain scans its buffer on every element, and each read
     # already holds many batches.
-    options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_threads)
+    threads = reading.read_threads
+    options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=threads)
     return grain.MapDataset.range(reads.num_reads).map(reads).to_iter_dataset(options)
 
 
@@ -196,38 +184,19 @@ def make_batch_iterator(
     seq_len: int,
     batch_size: int,
     packing: str = "concat",
-    shuffle: bool = True,
-    seed: int = 0,
-    num_epochs: int | None = None,
-    read_threads: int = 4,
-    workers: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
-    skip_corrupt: bool = False,
-    skip_log: Path | None = None,
-    reader: str = "auto",
+    reading: Reading | None = None,
 ) -> grain.DatasetIterator:
-    """This host's batches of `split`; the iterator's state checkpoints its exact position.
-    With `skip_corrupt`, unreadable records are dropped and listed in `skip_log`. TFRecord data
-    is read by Grain (`reader` auto/grain) or tf.data (`tfdata`); packing is shared."""
+    """This host's batches of `split`, read as `reading` says (default `Reading()`); the
+    iterator's state checkpoints its exact position. Both shard formats meet the same packing."""
+    reading = reading or Reading()
     if seq_len < 2 or batch_size < 1:
         raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
     if packing not in PACKING_MODES:
         raise DataError(f"data.packing={packing!r} is unknown; use one of {PACKING_MODES}")
-    reading = dict(
-        shuffle=shuffle,
-        seed=seed,
-        num_epochs=num_epochs,
-        read_threads=read_threads,
-        process_index=process_index,
-        process_count=process_count,
-        skip_corrupt=skip_corrupt,
-        skip_log=skip_log,
-    )
     if info.format == "tfrecord":
-        pairs = tfrecord_pairs(info, split, reader=reader, workers=workers, **reading)
+        pairs = tfrecord_pairs(info, split, reading)
     else:
-        pairs = arrayrecord_pairs(info, split, reader=reader, **reading)
+        pairs = arrayrecord_pairs(info, split, reading)
     lengths = {name: seq_len for name in FEATURES}
     if packing == "concat":
         batches = ConcatPackIterDataset(pairs, seq_len=seq_len, batch_size=batch_size)
@@ -238,11 +207,11 @@ def make_batch_iterator(
             pieces,
             length_struct=lengths,
             num_packing_bins=batch_size,
-            seed=seed,
-            shuffle_bins=shuffle,
+            seed=reading.seed,
+            shuffle_bins=reading.shuffle,
         )
         batches = rows.map(ToBatchContract()).batch(batch_size, drop_remainder=False)
         batches = batches.map(PadBatch(batch_size))
-    if workers > 0:
-        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    if reading.workers > 0:
+        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=reading.workers))
     return iter(batches)

@@ -24,8 +24,7 @@ READER_OPTIONS = "readahead_buffer_size:0"  # random access: what Grain's own re
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type the vocabulary fits: uint8 (byte-level), uint16, else uint32.
-    Narrower records are fewer bytes to decompress per token: uint8 halved the read CPU of a
-    byte-level corpus against uint16 (0.13 vs 0.26 ms per 64k tokens, zstd, this 2-core VM)."""
+    Narrower records are fewer bytes to decompress per token (BENCHMARKS.md)."""
     for dtype in ("|u1", "<u2"):
         if vocab_size <= np.iinfo(dtype).max + 1:
             return np.dtype(dtype)
@@ -147,9 +146,8 @@ class CheckedSource:
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | None]:
         """Records `indices`, in that order, with one batched read per shard: ArrayRecord then
-        decompresses them on its own threads, outside the GIL (on 2 cores the pipeline gained
-        ~25% over a read per record). A shard whose batched read fails is read record by
-        record, so damage is reported or skipped exactly as by `__getitem__`."""
+        decompresses them on its own threads, outside the GIL. A shard whose batched read fails
+        is read record by record, so damage is reported or skipped exactly as by `__getitem__`."""
         keys = np.asarray(indices, np.int64)
         shard_of = np.searchsorted(self.starts, keys, side="right") - 1
         records: list[bytes | None] = [None] * len(keys)

@@ -6,8 +6,8 @@ batch contract that follow are the shared ones.
 
 Exact resume uses tf.data's own iterator checkpoint (`SerializeIterator`, what
 `tf.train.Checkpoint` saves), kept as base64 in the JSON state. That checkpoint holds the
-shuffle and prefetch buffers, megabytes that take tens of milliseconds to write, while Grain
-asks for the state after every record. So the state is an *anchor* — the tf.data checkpoint
+shuffle and prefetch buffers, megabytes far too slow to write each time Grain asks for the
+state, which is after every record. So the state is an *anchor* — the tf.data checkpoint
 taken at a parse-batch boundary — plus the number of records read since; restoring
 deserializes the anchor and reads that many records again. A new anchor is taken once the time
 since the last one exceeds `ANCHOR_COST_RATIO` times what it cost, which keeps the overhead

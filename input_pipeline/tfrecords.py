@@ -3,8 +3,8 @@
 A shard `{split}-{i:05d}-of-{n:05d}.tfrecord` is uncompressed; each record is one
 `tf.train.Example` whose single int64 feature `tokens` holds one document (or one bounded piece
 of a long one) — the same records `records.write_shards` puts in ArrayRecord, so both formats
-feed the same packing. TensorFlow is imported only here and in `tfdata.py`, on first use: it
-costs ~4 s and 1.3 GB that ArrayRecord users never pay.
+feed the same packing. TensorFlow is imported only here and in `tfdata.py`, on first use: its
+import time and memory (BENCHMARKS.md) are not for ArrayRecord users to pay.
 
 Grain reads TFRecord sequentially (no random access), so this host's shards are shuffled per
 epoch by file order, interleaved, and shuffled within a seeded window of records; the iterator
@@ -25,6 +25,7 @@ import numpy as np
 
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
+from input_pipeline.reading import Reading
 from input_pipeline.records import write_round_robin
 
 FEATURE = "tokens"
@@ -79,56 +80,45 @@ def host_shards(info: DatasetInfo, split: str, process_index: int, process_count
     return paths[process_index::process_count]
 
 
-def tfrecord_pairs(
-    info: DatasetInfo,
-    split: str,
-    *,
-    reader: str = "auto",
-    shuffle: bool = True,
-    seed: int = 0,
-    num_epochs: int | None = None,
-    read_threads: int = 4,
-    workers: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
-    skip_corrupt: bool = False,
-    skip_log: Path | None = None,
-) -> grain.IterDataset:
+def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.IterDataset:
     """This host's decoded `{"inputs", "targets"}` records of a TFRecord split, read by Grain
-    (`reader` auto/grain) or tf.data (`tfdata`); packing and batching follow, shared."""
-    if reader not in READERS:
-        raise DataError(f"data.reader={reader!r} is unknown; use one of {READERS}")
-    paths = host_shards(info, split, process_index, process_count)
-    if reader == "tfdata":
+    (`reading.reader` auto/grain) or tf.data (`tfdata`); packing and batching follow, shared."""
+    if reading.reader not in READERS:
+        raise DataError(f"data.reader={reading.reader!r} is unknown; use one of {READERS}")
+    paths = host_shards(info, split, reading.process_index, reading.process_count)
+    if reading.reader == "tfdata":
         from input_pipeline.tfdata import TfDataRecords  # tfdata imports this module
 
-        if skip_corrupt:
+        if reading.skip_corrupt:
             raise DataError(
                 "data.skip_corrupt=true is not supported by data.reader=tfdata (tf.data cannot "
                 "count what it skips); use data.reader=grain, or re-run prepare --overwrite"
             )
-        if workers > 0:
+        if reading.workers > 0:
             raise DataError(
-                f"data.workers={workers} does not apply to data.reader=tfdata, which runs its "
-                "own parallel reads; set data.workers=0 or use data.reader=grain"
+                f"data.workers={reading.workers} does not apply to data.reader=tfdata, which runs "
+                "its own parallel reads; set data.workers=0 or use data.reader=grain"
             )
-        return TfDataRecords(paths, shuffle=shuffle, seed=seed, num_epochs=num_epochs)
+        return TfDataRecords(
+            paths, shuffle=reading.shuffle, seed=reading.seed, num_epochs=reading.num_epochs
+        )
     files = grain.MapDataset.source(paths)
-    if shuffle:
-        files = files.shuffle(seed=seed)  # a new file order every epoch
-    shards = files.repeat(num_epochs).map(
-        OpenShard(info.vocab_size, skip_corrupt, str(skip_log) if skip_log else None)
+    if reading.shuffle:
+        files = files.shuffle(seed=reading.seed)  # a new file order every epoch
+    skip_log = str(reading.skip_log) if reading.skip_log else None
+    shards = files.repeat(reading.num_epochs).map(
+        OpenShard(info.vocab_size, reading.skip_corrupt, skip_log)
     )
     # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
     # sees records in the same order as the ArrayRecord pipeline does.
     records = grain.experimental.InterleaveIterDataset(
         shards,
-        cycle_length=min(read_threads, len(paths)) if shuffle else 1,
+        cycle_length=min(reading.read_threads, len(paths)) if reading.shuffle else 1,
         iter_buffer_size=PREFETCH_RECORDS,
     )
-    if shuffle:
+    if reading.shuffle:
         records = grain.experimental.WindowShuffleIterDataset(
-            records, window_size=SHUFFLE_RECORDS, seed=seed
+            records, window_size=SHUFFLE_RECORDS, seed=reading.seed
         )
     return records
 

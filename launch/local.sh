@@ -7,7 +7,8 @@
 # Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N and its
 # JAX_PROCESS_ID, then runs `python -m trainer.main` with the remaining arguments. Devices:
 #   gpu: the GPUs nvidia-smi lists, split evenly (CUDA_VISIBLE_DEVICES), e.g. one GPU each;
-#   cpu: LOCAL_CPU_DEVICES fake CPU devices split evenly (XLA_FLAGS), e.g. 2 x 4 for 8.
+#   cpu: LOCAL_CPU_DEVICES fake CPU devices split evenly (XLA_FLAGS), e.g. 2 x 4 for 8, and
+#        glibc's huge pages for large allocations (GLIBC_TUNABLES, unless already set).
 # The launcher waits for all of them. When one exits non-zero it stops the others (SIGTERM, then
 # SIGKILL after LOCAL_KILL_GRACE_S) and exits with that status; re-running the same command
 # resumes from the latest checkpoint. SIGTERM to the launcher goes to every process, and Ctrl-C
@@ -58,7 +59,9 @@ case $device in
     # Our device count replaces any inherited one (pytest's conftest sets 8).
     xla_flags=$(sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g' <<<"${XLA_FLAGS:-}")
     export XLA_FLAGS="$xla_flags --xla_force_host_platform_device_count=$per_process"
-    export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} ;;
+    export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+    # huge pages for XLA:CPU's large per-step temporaries (README "Running on CPU")
+    export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1} ;;
   *) echo "local.sh: LOCAL_DEVICE=$device is neither cpu nor gpu" >&2; exit 2 ;;
 esac
 

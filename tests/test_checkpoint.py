@@ -1,6 +1,7 @@
 """Checkpoints that never lose work: clean stops, NaN guards, resharding, retention, export."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -144,7 +145,7 @@ def test_skip_nonfinite_skips_and_counts(corpus, tmp_path):
     )
     run(config)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["skipped_steps"] > 0
+    assert [r for r in rows if "loss" in r][-1]["skipped_steps"] > 0
 
 
 def test_restore_onto_another_mesh_reshards(tmp_path):
@@ -268,3 +269,53 @@ def test_sigkill_at_random_moments_loses_nothing(corpus, tmp_path, repo_root):
     assert resumed_from == sorted(resumed_from) and len(resumed_from) >= 3
     assert not [p for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
     assert losses_of(workdir)[24] == losses_of(straight)[24]
+
+
+# Runs the CLI with Checkpointer.save patched to SIGKILL the process the moment the save of step
+# $KILL_AT_STEP has committed: the one window where that step is the resume point already.
+KILLED_AFTER_COMMIT = """
+import os, signal, sys
+from trainer import main
+from trainer.checkpoint import Checkpointer
+
+save = Checkpointer.save
+
+def save_then_die(self, step, *args, **kwargs):
+    blocked = save(self, step, *args, **kwargs)
+    if step == int(os.environ["KILL_AT_STEP"]):
+        self.wait()  # committed: a re-run resumes from this step
+        os.kill(os.getpid(), signal.SIGKILL)
+    return blocked
+
+Checkpointer.save = save_then_die
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_kill_right_after_a_checkpoint_commits_loses_no_metrics_line(corpus, tmp_path, repo_root):
+    """The resume point's own metrics line is on disk before its checkpoint commits, so a kill
+    just after the commit leaves every step logged exactly once after the re-run."""
+    args = [f"data.path={corpus}", "run.steps=8", "checkpoint.every=3", "log.every=1"]
+    args += ["eval.every=100", "optim.decay_steps=8"]
+    straight = uninterrupted_run(repo_root, args, tmp_path / "straight")
+    workdir = tmp_path / "killed"
+    cli_args = ["--config", "configs/tiny.yaml", *args, f"run.workdir={workdir}"]
+    env = {**os.environ, "KILL_AT_STEP": "6"}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_COMMIT, *cli_args],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert saved_steps(workdir) == [3, 6]
+    assert max(losses_of(workdir)) == 6  # the resume point's line made it, nothing after it
+    final = subprocess.run(tiny_cli(args, workdir), cwd=repo_root, capture_output=True, text=True)
+    assert final.returncode == 0 and "resuming from" in final.stderr, final.stderr[-2000:]
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in rows if "loss" in r]
+    assert logged == list(range(1, 9))  # every step once: none lost, none repeated
+    assert losses_of(workdir) == losses_of(straight)

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from trainer.config import Config, config_from_dict, load_config
+from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
 
 
@@ -40,7 +41,6 @@ def test_yaml_round_trip(tmp_path, repo_root):
         (["model.d_model=100", "model.num_heads=3"], "model.d_model=100 is not divisible"),
         (["model.num_heads=4", "model.num_kv_heads=3"], "not a multiple of model.num_kv_heads"),
         (["mesh.data=-1", "mesh.fsdp=-1"], "only one axis may fill the rest"),
-        (["optim.accum_steps=3"], "not divisible by optim.accum_steps=3"),
         (["optim.lr"], "is not section.key=value"),
         (["run.steps.x=1"], "run.steps"),
     ],
@@ -51,6 +51,22 @@ def test_user_errors_name_the_key(overrides, expected):
     message = str(info.value)
     assert expected in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        ((32, 3, 1, 1), "=32 is not divisible by optim.accum_steps=3; use a multiple of 3 ("),
+        ((32, 2, 3, 1), "=32 / optim.accum_steps=2 = 16 rows do not split over mesh data*fsdp=3"),
+        ((30, 1, 2, 4), "by 4 data streams (data.streams, or the process count); use a multiple"),
+        ((36, 2, 2, 8), "e.g. data.global_batch_size=40"),
+    ],
+)
+def test_batch_layout_errors_name_the_keys_and_a_batch_that_fits(layout, expected):
+    check_batch_layout(32, 4, 8, 2)  # 4 microbatches of 8 rows over 8 devices, 2 streams of 16
+    with pytest.raises(ConfigError) as info:
+        check_batch_layout(*layout)
+    assert expected in str(info.value) and "\n" not in str(info.value)
 
 
 def test_missing_and_broken_files(tmp_path):

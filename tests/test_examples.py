@@ -28,7 +28,13 @@ def test_digits_classifier_reaches_95_percent(tmp_path, repo_root):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     accuracy = float(re.search(r"test accuracy ([\d.]+)", proc.stderr).group(1))
-    assert accuracy >= 0.95
+    assert accuracy >= 0.95  # of 360 held-out digits; 0.978 measured (chance: 0.1)
+    assert "digits: model 0.02M parameters" in proc.stderr  # run.name labels the run
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    (eval_loss,) = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert losses[-1] < 0.1 * losses[0] and eval_loss < 0.2
+    assert (tmp_path / "checkpoints" / "300").is_dir()
 
 
 @pytest.mark.slow

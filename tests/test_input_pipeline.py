@@ -14,6 +14,7 @@ from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
+from input_pipeline.reading import Reading
 from input_pipeline.records import sha256_of
 from trainer import sharding
 from trainer.config import MeshConfig
@@ -81,9 +82,9 @@ def test_prepare_cli_reads_txt_and_jsonl(tmp_path, capsys):
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 def test_same_seed_same_batches_other_seed_differs(dataset, packing):
     kw = dict(seq_len=32, batch_size=4, packing=packing)
-    a = take(make_batch_iterator(dataset, "train", seed=1, **kw), 5)
-    b = take(make_batch_iterator(dataset, "train", seed=1, **kw), 5)
-    c = take(make_batch_iterator(dataset, "train", seed=2, **kw), 5)
+    a = take(make_batch_iterator(dataset, "train", reading=Reading(seed=1), **kw), 5)
+    b = take(make_batch_iterator(dataset, "train", reading=Reading(seed=1), **kw), 5)
+    c = take(make_batch_iterator(dataset, "train", reading=Reading(seed=2), **kw), 5)
     assert all(same(x, y) for x, y in zip(a, b, strict=True))
     assert not all(same(x, y) for x, y in zip(a, c, strict=True))
 
@@ -91,7 +92,7 @@ def test_same_seed_same_batches_other_seed_differs(dataset, packing):
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_state_round_trip_gives_the_next_batch(dataset, packing, shuffle):
-    kw = dict(seq_len=32, batch_size=4, packing=packing, shuffle=shuffle, seed=3)
+    kw = dict(seq_len=32, batch_size=4, packing=packing, reading=Reading(shuffle=shuffle, seed=3))
     it = make_batch_iterator(dataset, "train", **kw)
     take(it, 7)
     state = json.loads(json.dumps(it.get_state()))  # as stored in a checkpoint
@@ -127,7 +128,12 @@ def test_packing_invariants(dataset, packing):
 def test_first_fit_keeps_documents_whole(dataset):
     batch = next(
         make_batch_iterator(
-            dataset, "train", seq_len=512, batch_size=4, packing="first_fit", shuffle=False
+            dataset,
+            "train",
+            seq_len=512,
+            batch_size=4,
+            packing="first_fit",
+            reading=Reading(shuffle=False),
         )
     )
     first = batch["inputs"][0][batch["segment_ids"][0] == 1]
@@ -142,10 +148,7 @@ def test_hosts_get_disjoint_data_that_covers_the_split(dataset):
             seq_len=1024,
             batch_size=1,
             packing="first_fit",
-            shuffle=False,
-            num_epochs=1,
-            process_index=index,
-            process_count=count,
+            reading=Reading(shuffle=False, num_epochs=1, process_index=index, process_count=count),
         )
         seen = []
         for batch in it:
@@ -160,7 +163,9 @@ def test_hosts_get_disjoint_data_that_covers_the_split(dataset):
 
 def test_eval_pads_the_last_batch_instead_of_dropping_it(dataset):
     batches = list(
-        make_batch_iterator(dataset, "eval", seq_len=64, batch_size=8, shuffle=False, num_epochs=1)
+        make_batch_iterator(
+            dataset, "eval", seq_len=64, batch_size=8, reading=Reading(shuffle=False, num_epochs=1)
+        )
     )
     counted = sum(b["weights"].sum() for b in batches)
     held = dataset.raw["splits"]["eval"]
@@ -170,7 +175,7 @@ def test_eval_pads_the_last_batch_instead_of_dropping_it(dataset):
 
 def test_device_feed_shards_batches_and_keeps_state(dataset):
     mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2, tensor=1))
-    kw = dict(seq_len=32, batch_size=8, seed=5)
+    kw = dict(seq_len=32, batch_size=8, reading=Reading(seed=5))
     it = make_batch_iterator(dataset, "train", **kw)
     with DeviceFeed(it, sharding.batch_sharding(mesh), prefetch=3) as feed:
         global_batch, state = next(feed)
@@ -247,14 +252,16 @@ def corrupt_copy(dataset, tmp_path, truncate=False):
 def test_corrupt_or_truncated_shard_names_the_file(dataset, tmp_path, truncate):
     info, shard = corrupt_copy(dataset, tmp_path, truncate)
     with pytest.raises(DataError, match=rf"shard .*{shard.name} is corrupt or truncated"):
-        it = make_batch_iterator(info, "train", seq_len=32, batch_size=4, shuffle=False)
+        it = make_batch_iterator(
+            info, "train", seq_len=32, batch_size=4, reading=Reading(shuffle=False)
+        )
         take(it, 30)
 
 
 def test_skip_corrupt_keeps_training_on_the_readable_records(dataset, tmp_path):
     info, _ = corrupt_copy(dataset, tmp_path)
     it = make_batch_iterator(
-        info, "train", seq_len=32, batch_size=4, shuffle=False, skip_corrupt=True
+        info, "train", seq_len=32, batch_size=4, reading=Reading(shuffle=False, skip_corrupt=True)
     )
     assert all(b["weights"].sum() > 0 for b in take(it, 30))
 

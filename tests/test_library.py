@@ -1,6 +1,9 @@
-"""Library use: a caller's own nnx.Module, loss and (non-text) data through `trainer.run`."""
+"""Library use: a caller's own nnx.Module, loss and (non-text) data through `trainer.run`, and
+the README's library example run exactly as printed."""
 
 import json
+import math
+import re
 
 import grain
 import jax
@@ -12,6 +15,36 @@ from flax import nnx
 import trainer
 
 FEATURES, CLASSES = 16, 4
+README_SECTION = "## Library use: your own model, loss and data"
+
+
+def readme_library_example(readme: str) -> str:
+    """The first ```python block under the library-use heading, as a reader copies it."""
+    section = readme[readme.index(README_SECTION) :]
+    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+
+
+@pytest.mark.slow
+def test_readme_library_example_runs_verbatim(repo_root, tmp_path, monkeypatch, capsys):
+    # Executed unedited, so the README cannot drift from the API. It names its paths relative
+    # to the repository root (`configs/tiny.yaml`, `workdirs/clf`): run it from a temporary
+    # folder that sees the repository's configs, so its workdir lands in tmp_path.
+    source = readme_library_example((repo_root / "README.md").read_text())
+    (tmp_path / "configs").symlink_to(repo_root / "configs")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__readme__"}
+    exec(compile(source, "README.md", "exec"), namespace)
+
+    result = namespace["result"]
+    rows = [
+        json.loads(x) for x in (tmp_path / "workdirs/clf/metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert result.step == 100 and rows[-1]["step"] == 100
+    assert math.isfinite(result.eval_loss)
+    assert result.eval_loss < 0.5 * math.log(4) and result.eval_loss < losses[0]
+    assert (tmp_path / "workdirs/clf/checkpoints/100").is_dir()
+    assert str(result.eval_loss) in capsys.readouterr().out  # the example's own print
 
 
 class Classifier(nnx.Module):

@@ -1,7 +1,9 @@
-"""metrics.jsonl stays one clean run across resumes; TensorBoard events are written."""
+"""metrics.jsonl stays one clean run across resumes; TensorBoard events are written; the report
+labels runs by `run.name`."""
 
 import json
 
+from trainer import report
 from trainer.metrics import MetricsWriter
 
 
@@ -23,3 +25,25 @@ def test_non_finite_values_stay_valid_json(tmp_path):
     writer.write(1, {"loss": float("nan")})
     writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == "nan"
+
+
+def _logged_run(workdir, name: str | None) -> None:
+    workdir.mkdir(parents=True)
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    if name is not None:
+        (workdir / "config.yaml").write_text(f"run:\n  name: {name}\n  workdir: {workdir}\n")
+
+
+def test_report_labels_runs_by_run_name_else_folder(tmp_path):
+    _logged_run(tmp_path / "a", "lr-sweep-1")
+    _logged_run(tmp_path / "b", "run")  # the default name says nothing: the folder does
+    _logged_run(tmp_path / "c", None)  # no config.yaml
+    runs = report.load_runs([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert [r.label for r in runs] == ["lr-sweep-1", "b", "c"]
+
+
+def test_report_tells_apart_runs_of_the_same_name_by_path(tmp_path):
+    _logged_run(tmp_path / "x" / "demo", "demo")
+    _logged_run(tmp_path / "y", "demo")
+    runs = report.load_runs([tmp_path / "x" / "demo", tmp_path / "y"])
+    assert [r.label for r in runs] == [str(tmp_path / "x" / "demo"), str(tmp_path / "y")]

@@ -18,6 +18,7 @@ from input_pipeline.pipeline import (
     make_batch_iterator,
 )
 from input_pipeline.prepare import prepare_dataset
+from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "weights")
@@ -149,7 +150,7 @@ def test_state_at_the_end_of_the_data_stays_at_the_end(records):
 
 
 def test_pipeline_resumes_exactly_over_threaded_reads_and_epochs(dataset):
-    kw = dict(seq_len=64, batch_size=4, seed=11, read_threads=3)
+    kw = dict(seq_len=64, batch_size=4, reading=Reading(seed=11, read_threads=3))
     it = make_batch_iterator(dataset, "train", **kw)
     for _ in range(37):  # past the first epoch (~2k pairs of ~22k per epoch... many reads)
         next(it)
@@ -167,7 +168,9 @@ def test_unshuffled_pipeline_equals_the_old_chain_on_the_same_records(dataset):
     decode = DecodeRecord(dataset.token_dtype)
     in_order = [decode.map(source[i]) for i in range(len(source))]
     new = list(
-        make_batch_iterator(dataset, "train", seq_len=96, batch_size=5, shuffle=False, num_epochs=1)
+        make_batch_iterator(
+            dataset, "train", seq_len=96, batch_size=5, reading=Reading(shuffle=False, num_epochs=1)
+        )
     )
     old = old_chain(in_order, 96, 5)
     assert len(new) == len(old)
@@ -211,30 +214,3 @@ def test_batched_reads_match_record_reads_and_survive_pickling(dataset):
     expected = [source[k] for k in keys]
     assert source.read_many(keys) == expected  # in the asked order, across shards
     assert pickle.loads(pickle.dumps(source)).read_many(keys) == expected  # worker processes
-
-
-def test_batch_memory_is_reused_only_once_nothing_refers_to_it(dataset):
-    """A held batch never changes under later batches (even placed on the devices, which alias
-    it on CPU); a dropped one gives its memory to a later batch instead of fresh pages."""
-    import jax
-
-    from input_pipeline.device import to_global
-    from input_pipeline.packed import pack
-    from trainer import sharding
-    from trainer.config import MeshConfig
-
-    batches = make_batch_iterator(dataset, "train", seq_len=16, batch_size=8, seed=3)
-    held = [next(batches) for _ in range(3)]
-    snapshots = [{name: value.copy() for name, value in b.items()} for b in held]
-    mesh_sharding = sharding.batch_sharding(sharding.make_mesh(MeshConfig(data=-1)))
-    placed = to_global(pack(next(batches)), mesh_sharding)
-    placed_copy = np.asarray(placed.block).copy()
-    addresses = set()
-    for _ in range(40):  # each dropped at once: the same few blocks come back
-        addresses.add(next(batches)["inputs"].ctypes.data)
-    assert len(addresses) <= 2
-    for batch, snapshot in zip(held, snapshots, strict=True):
-        for name in FIELDS:
-            np.testing.assert_array_equal(batch[name], snapshot[name])
-    np.testing.assert_array_equal(np.asarray(placed.block), placed_copy)
-    jax.block_until_ready(placed.block)

@@ -16,6 +16,7 @@ from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
+from input_pipeline.reading import Reading
 from input_pipeline.records import token_dtype
 from input_pipeline.tokenizers import SENTENCEPIECE_FILE, get_tokenizer
 from trainer.config import load_config
@@ -36,7 +37,7 @@ def all_tokens(folder, split="train"):
     """Every record of a split, in order (no shuffle, no packing)."""
     info = load_dataset_info(folder)
     it = make_batch_iterator(
-        info, split, seq_len=64, batch_size=1, shuffle=False, num_epochs=1, packing="concat"
+        info, split, seq_len=64, batch_size=1, reading=Reading(shuffle=False, num_epochs=1)
     )
     return np.concatenate([b["inputs"][b["weights"] > 0] for b in it])
 

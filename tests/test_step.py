@@ -157,3 +157,28 @@ def test_state_is_sharded_as_the_rules_say():
     mu = state.opt_state[1][0].mu["blocks"]["mlp"]["up"]["kernel"]
     assert mu.sharding.spec == kernel.sharding.spec  # optimizer moments follow the parameter
     assert kernel.addressable_shards[0].data.shape == (2, 64 // 4, 128 // 2)
+
+
+def test_the_loops_cpu_step_equals_the_donating_step(batches, compile_events):
+    """On CPU the loop steps into a spare state (`TrainProgram.stepper`): the same numbers as
+    the in-place step, no compile after the first step, and a state stepped out of turn (another
+    run's) is never used as a spare, so it survives to be stepped again."""
+    program = program_for((2, 2, 2), ["precision.compute=float32"])
+    step = program.stepper()
+    assert step is not program.train_step  # the test devices are CPUs
+    reference, _ = losses(program, batches)
+    state, other = program.init(), program.init()
+    got = []
+    with jax.set_mesh(program.mesh):
+        device_batches = [jax.device_put(b, program.batch_sharding) for b in batches]
+        for i, batch in enumerate(device_batches):
+            state, metrics = step(state, batch)
+            got.append(float(metrics["loss"]))
+            if i == 1:
+                compiled = len(compile_events)
+                other, _ = step(other, batch)  # out of turn: gets a fresh spare
+        assert len(compile_events) == compiled, "the spare-state step recompiled"
+        _, metrics = step(other, device_batches[2])  # `other` was never overwritten
+    np.testing.assert_array_equal(got, reference)
+    other_reference, _ = losses(program, batches[1:3])
+    assert float(metrics["loss"]) == other_reference[1]

@@ -3,6 +3,7 @@ split between hosts, resumed exactly, and damaged shards named."""
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
+from input_pipeline.reading import Reading
 from input_pipeline.records import count_skipped
 from trainer.config import load_config
 from trainer.errors import ConfigError
@@ -39,12 +41,14 @@ def records_read(info, reader="auto", shuffle=True, index=0, count=1):
         seq_len=512,
         batch_size=2,
         packing="first_fit",
-        shuffle=shuffle,
-        seed=7,
-        num_epochs=1,
-        reader=reader,
-        process_index=index,
-        process_count=count,
+        reading=Reading(
+            shuffle=shuffle,
+            seed=7,
+            num_epochs=1,
+            reader=reader,
+            process_index=index,
+            process_count=count,
+        ),
     )
     seen = []
     for batch in it:
@@ -76,21 +80,21 @@ def test_both_formats_give_the_same_records_and_unshuffled_batches(datasets, rea
     expected = records_read(ar)
     assert sorted(records_read(tf, reader)) == sorted(expected)  # same multiset, shuffled
     assert len(expected) == ar.num_records("train")
-    kw = dict(seq_len=48, batch_size=4, shuffle=False)
-    unshuffled = take(make_batch_iterator(tf, "train", reader=reader, **kw), 12)
-    assert all(
-        same(x, y)
-        for x, y in zip(unshuffled, take(make_batch_iterator(ar, "train", **kw), 12), strict=True)
+    kw = dict(seq_len=48, batch_size=4)
+    unshuffled = take(
+        make_batch_iterator(tf, "train", reading=Reading(shuffle=False, reader=reader), **kw), 12
     )
+    in_order = take(make_batch_iterator(ar, "train", reading=Reading(shuffle=False), **kw), 12)
+    assert all(same(x, y) for x, y in zip(unshuffled, in_order, strict=True))
 
 
 @pytest.mark.parametrize("reader", READERS)
 def test_same_seed_same_batches_other_seed_differs(datasets, reader):
     _, tf = datasets
-    kw = dict(seq_len=32, batch_size=4, reader=reader)
-    a = take(make_batch_iterator(tf, "train", seed=1, **kw), 5)
-    b = take(make_batch_iterator(tf, "train", seed=1, **kw), 5)
-    c = take(make_batch_iterator(tf, "train", seed=2, **kw), 5)
+    kw = dict(seq_len=32, batch_size=4)
+    a = take(make_batch_iterator(tf, "train", reading=Reading(seed=1, reader=reader), **kw), 5)
+    b = take(make_batch_iterator(tf, "train", reading=Reading(seed=1, reader=reader), **kw), 5)
+    c = take(make_batch_iterator(tf, "train", reading=Reading(seed=2, reader=reader), **kw), 5)
     assert all(same(x, y) for x, y in zip(a, b, strict=True))
     assert not all(same(x, y) for x, y in zip(a, c, strict=True))
 
@@ -103,7 +107,8 @@ def test_hosts_get_disjoint_shards_that_cover_the_split(datasets, reader):
     assert host0 and host1 and not set(host0) & set(host1)
     assert sorted(host0 + host1) == sorted(records_read(tf, reader))
     with pytest.raises(DataError, match="3 train shards for 4 readers.*--num-shards 4"):
-        make_batch_iterator(tf, "train", seq_len=8, batch_size=2, process_count=4, reader=reader)
+        reading = Reading(process_count=4, reader=reader)
+        make_batch_iterator(tf, "train", seq_len=8, batch_size=2, reading=reading)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +123,7 @@ def test_state_round_trip_gives_the_next_batch(
         monkeypatch.setattr(tfdata, "ANCHOR_COST_RATIO", anchor_ratio)
         monkeypatch.setattr(tfdata, "PARSE_BATCH", 16)
     _, tf = datasets
-    kw = dict(seq_len=128, batch_size=8, shuffle=shuffle, seed=3, reader=reader)
+    kw = dict(seq_len=128, batch_size=8, reading=Reading(shuffle=shuffle, seed=3, reader=reader))
     it = make_batch_iterator(tf, "train", **kw)
     take(it, tf.num_tokens("train") // (128 * 8) + 5)  # the state is past an epoch boundary
     state = json.loads(json.dumps(it.get_state()))  # as stored in a checkpoint
@@ -161,7 +166,8 @@ def damaged_copy(info, tmp_path, truncate):
 @pytest.mark.parametrize("truncate", [True, False])
 def test_damaged_shard_names_the_file_and_the_fix(datasets, tmp_path, reader, truncate):
     info, shard = damaged_copy(datasets[1], tmp_path, truncate)
-    it = make_batch_iterator(info, "train", seq_len=64, batch_size=4, shuffle=False, reader=reader)
+    reading = Reading(shuffle=False, reader=reader)
+    it = make_batch_iterator(info, "train", seq_len=64, batch_size=4, reading=reading)
     with pytest.raises(DataError, match=rf"shard .*{shard.name} is corrupt or truncated.*--over"):
         take(it, 400)
 
@@ -169,19 +175,20 @@ def test_damaged_shard_names_the_file_and_the_fix(datasets, tmp_path, reader, tr
 def test_skip_corrupt_reads_past_a_truncated_shard(datasets, tmp_path):
     info, _ = damaged_copy(datasets[1], tmp_path, truncate=True)
     log = tmp_path / "skipped.jsonl"
-    kw = dict(seq_len=64, batch_size=4, shuffle=False, skip_corrupt=True, skip_log=log)
-    batches = list(make_batch_iterator(info, "train", num_epochs=1, **kw))
-    full = list(make_batch_iterator(datasets[1], "train", num_epochs=1, **kw))
+    reading = Reading(shuffle=False, num_epochs=1, skip_corrupt=True, skip_log=log)
+    kw = dict(seq_len=64, batch_size=4)
+    batches = list(make_batch_iterator(info, "train", reading=reading, **kw))
+    full = list(make_batch_iterator(datasets[1], "train", reading=reading, **kw))
     assert 0 < len(batches) < len(full)
     assert count_skipped(log) == 1
     with pytest.raises(DataError, match="skip_corrupt=true is not supported by data.reader=tfd"):
-        make_batch_iterator(info, "train", reader="tfdata", **kw)
+        make_batch_iterator(info, "train", reading=replace(reading, reader="tfdata"), **kw)
 
 
 def test_bad_settings_and_missing_shards_name_the_fix(datasets, tmp_path):
     ar, tf = datasets
     with pytest.raises(DataError, match="reader=tfdata reads TFRecord.*--format tfrecord"):
-        make_batch_iterator(ar, "train", seq_len=8, batch_size=2, reader="tfdata")
+        make_batch_iterator(ar, "train", seq_len=8, batch_size=2, reading=Reading(reader="tfdata"))
     with pytest.raises(ConfigError, match="data.reader"):
         load_config(None, ["data.reader=tfrecord"])
     copy = tmp_path / "copy"

@@ -6,38 +6,25 @@ Public API:
     result = trainer.run(config, model=..., loss_fn=..., data=..., eval_data=...)
 
 `annotate_axes` names the parameter axes of a model you did not write. `run` shards the model
-over the configured mesh, applies the precision policy, accumulates gradients, checkpoints (data
-position included) and resumes, logs metrics and evaluates.
+over the configured mesh, accumulates gradients, checkpoints (data position included) and
+resumes, logs metrics and evaluates. It casts nothing: `precision.*` reaches only `model.kind`
+models (as their factory's `compute_dtype`/`param_dtype`); a `model=` you pass trains in the
+dtypes it creates.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from trainer.annotate import annotate_axes
+from trainer.config import Config, load_config
 from trainer.errors import ConfigError, TrainingError
 
 if TYPE_CHECKING:
     from flax import nnx
 
-    from trainer.annotate import annotate_axes
-    from trainer.config import Config, load_config
     from trainer.train import RunResult
-
-# Imported on first use, so `python -m trainer.main` starts (and restarts with huge pages,
-# `trainer.host_memory`) before JAX and Flax are loaded: they take ~1.3 s to import.
-_LAZY = {
-    "annotate_axes": "trainer.annotate",
-    "Config": "trainer.config",
-    "load_config": "trainer.config",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
 
 
 def run(

@@ -5,36 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from input_pipeline.streams import is_stream_state
+from input_pipeline import checkpointing as data_checkpointing
 from trainer.config import CheckpointConfig
 from trainer.errors import TrainingError
 from trainer.state import TrainState
-
-
-class DataStateSnapshot:
-    """The data position that goes with one step, in the shape Grain's Orbax handler expects.
-
-    The device feed runs ahead of the loop, so the live iterator is already past the batch the
-    step consumed; saving this snapshot (taken when that batch was read) resumes exactly.
-    """
-
-    def __init__(self, state: dict[str, Any] | None = None):
-        self.state = state
-
-    def get_state(self) -> bytes:  # restored by `read_data_state`, which merges processes
-        return json.dumps(self.state).encode()
 
 
 def _train_part(state: TrainState) -> dict[str, Any]:
@@ -99,7 +83,7 @@ class Checkpointer:
                 args=ocp.args.Composite(
                     params=ocp.args.StandardSave(state.params),
                     train=ocp.args.StandardSave(_train_part(state)),
-                    data=grain.checkpoint.CheckpointSave(DataStateSnapshot(data_state)),
+                    data=data_checkpointing.save_args(data_state),
                     meta=ocp.args.JsonSave(meta),
                 ),
             )
@@ -165,7 +149,10 @@ class Checkpointer:
             model_state=train["model_state"],
             opt_state=train["opt_state"],
         )
-        return state, read_data_state(self.directory / str(step) / "data")
+        data_state = data_checkpointing.restore_position(
+            self.directory / str(step) / "data", jax.process_index(), jax.process_count()
+        )
+        return state, data_state
 
     def restore_params(self, step: int, target_params: Any) -> Any:
         """Parameters only (fine-tuning from another run, export)."""
@@ -202,27 +189,6 @@ class Checkpointer:
                 self.manager.wait_until_finished()
             finally:
                 self.manager.close()
-
-
-def read_data_state(folder: Path) -> Any:
-    """This process's data position from the per-process files Grain's handler wrote.
-
-    Same process count: its own file. Another count: the union of every process's per-stream
-    positions (`input_pipeline.streams`), from which each process picks the streams it now owns.
-    """
-    index, count = jax.process_index(), jax.process_count()
-    own = folder / f"process_{index}-of-{count}.json"
-    if own.exists():
-        return json.loads(own.read_text())
-    saved = sorted(folder.glob("process_*-of-*.json"))
-    states = [json.loads(path.read_text()) for path in saved]
-    if not states or not all(is_stream_state(s) for s in states):
-        raise TrainingError(
-            f"{folder} holds the data position of {len(saved)} other processes, which cannot be "
-            f"split over {count}; resume with the process count that wrote it"
-        )
-    positions = {k: v for state in states for k, v in state["positions"].items()}
-    return {"streams": states[0]["streams"], "positions": positions}
 
 
 DISK_FULL = ("No space left on device", "os_error_code='28'", "[Errno 28]")

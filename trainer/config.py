@@ -21,7 +21,7 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
-    name: str = "run"
+    name: str = "run"  # the label of the startup line and `trainer.report`; "run" = the folder's
     workdir: str = "workdirs/run"
     seed: int = 0
     steps: int = Field(1000, ge=1)
@@ -61,6 +61,9 @@ class ModelConfig(_Section):
     # false: a Python loop over the layers (compile time grows with depth; for shallow models
     # on CPU, where the scan's stacked residual buffers and per-layer slicing cost ~15% a step)
     scan_layers: bool = True
+    # auto: cuDNN flash attention on NVIDIA GPUs of compute capability 8.0+ with bf16 compute, for
+    # rows of one document each (no segment ids); XLA otherwise (trainer/models/attention.py)
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
     args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -175,11 +178,6 @@ class Config(_Section):
             raise ValueError(
                 f"optim.min_lr={self.optim.min_lr} is above optim.lr={self.optim.lr}; "
                 "set min_lr <= lr"
-            )
-        if self.data.global_batch_size % self.optim.accum_steps:
-            raise ValueError(
-                f"data.global_batch_size={self.data.global_batch_size} is not divisible by "
-                f"optim.accum_steps={self.optim.accum_steps}; pick a divisor"
             )
         max_len = self.model.max_seq_len
         if max_len is not None and self.data.seq_len > max_len:

@@ -4,9 +4,10 @@ dicts of numpy arrays with a leading batch axis (this host's rows)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator
+from input_pipeline.reading import Reading
 from input_pipeline.records import count_skipped
 from input_pipeline.streams import StreamBatches
 from trainer.config import Config
@@ -40,14 +42,36 @@ def stream_count(config: Config) -> int:
     return config.data.streams or jax.process_count()
 
 
-def rows_per_stream(config: Config, streams: int) -> int:
-    if config.data.global_batch_size % streams:
-        raise ConfigError(
-            f"data.global_batch_size={config.data.global_batch_size} is not divisible by "
-            f"{streams} data streams (data.streams, or the process count); use a multiple of "
-            f"{streams}"
+def check_batch_layout(
+    global_batch_size: int, accum_steps: int, batch_shards: int = 1, streams: int = 1
+) -> None:
+    """Every cut of the global batch must come out whole: into `accum_steps` microbatches, each
+    split over the mesh's `batch_shards` (data*fsdp) devices, and into `streams` input streams;
+    one line naming what does not divide and the nearest batch size that does."""
+    problems = []
+    if global_batch_size % accum_steps:
+        problems.append(f"is not divisible by optim.accum_steps={accum_steps}")
+    elif (global_batch_size // accum_steps) % batch_shards:
+        problems.append(
+            f"/ optim.accum_steps={accum_steps} = {global_batch_size // accum_steps} rows do not "
+            f"split over mesh data*fsdp={batch_shards}"
         )
-    return config.data.global_batch_size // streams
+    if global_batch_size % streams:
+        problems.append(
+            f"is not divisible by {streams} data streams (data.streams, or the process count)"
+        )
+    if problems:
+        rows = accum_steps * batch_shards
+        multiple = math.lcm(rows, streams)
+        nearest = -(-global_batch_size // multiple) * multiple
+        why = [f"optim.accum_steps x mesh data*fsdp = {rows}"] if rows > 1 else []
+        why += [f"{streams} data streams"] if streams > 1 else []
+        raise ConfigError(
+            f"data.global_batch_size={global_batch_size} "
+            + " and ".join(problems)
+            + f"; use a multiple of {multiple} ({' and '.join(why)}), "
+            f"e.g. data.global_batch_size={nearest}"
+        )
 
 
 def load_dataset(config: Config) -> DatasetInfo:
@@ -70,31 +94,32 @@ def lm_batches(
     """This host's rows of every packed global batch of a prepared dataset split, read as
     `streams` streams (default `stream_count(config)`)."""
     training = split == "train"
+    reading = Reading(
+        shuffle=config.data.shuffle and training,
+        seed=config.run.seed,
+        num_epochs=None if training else 1,
+        read_threads=config.data.read_threads,
+        workers=config.data.workers if training else 0,
+        skip_corrupt=config.data.skip_corrupt,
+        skip_log=skip_log_path(config),
+        reader=config.data.reader,
+    )
 
     def open_stream(index: int, count: int):
+        # `count` may come from a checkpoint, so it is checked here and not only at setup
+        check_batch_layout(config.data.global_batch_size, 1, streams=count)
         return make_batch_iterator(
             info,
             split,
             seq_len=config.data.seq_len,
-            batch_size=rows_per_stream(config, count),
+            batch_size=config.data.global_batch_size // count,
             packing=config.data.packing,
-            shuffle=config.data.shuffle and training,
-            seed=config.run.seed,
-            num_epochs=None if training else 1,
-            read_threads=config.data.read_threads,
-            workers=config.data.workers if training else 0,
-            process_index=index,
-            process_count=count,
-            skip_corrupt=config.data.skip_corrupt,
-            skip_log=skip_log_path(config),
-            reader=config.data.reader,
+            reading=replace(reading, process_index=index, process_count=count),
         )
 
-    streams = streams or stream_count(config)
-    rows_per_stream(config, streams)  # fail before any reader starts
     return StreamBatches(
         open_stream,
-        streams,
+        streams or stream_count(config),
         jax.process_index(),
         jax.process_count(),
         pinned=config.data.streams is not None,

@@ -143,7 +143,7 @@ def session_summary(
     *,
     start_step: int,
     end_step: int,
-    items_per_step: int,
+    tokens: float,
     flops_per_token: float,
     peak_tflops: float | None,
     last_metrics: dict[str, Any],
@@ -153,8 +153,7 @@ def session_summary(
     the steps since it resumed), its time per bucket, throughput, MFU and peak memory."""
     seconds, wall = goodput.seconds(), goodput.wall_s()
     steps = max(end_step - start_step, 0)
-    items = steps * items_per_step
-    step_tokens_per_s = items / seconds["step"] if seconds["step"] > 0 else None
+    step_tokens_per_s = tokens / seconds["step"] if seconds["step"] > 0 else None
     mfu = None
     if peak_tflops and step_tokens_per_s:
         mfu = step_tokens_per_s * flops_per_token / jax.device_count() / 1e12 / peak_tflops
@@ -167,9 +166,9 @@ def session_summary(
         "seconds": seconds,
         "fractions": {k: v / wall if wall > 0 else 0.0 for k, v in seconds.items()},
         "goodput": seconds["step"] / wall if wall > 0 else 0.0,
-        "tokens": items,
+        "tokens": tokens,  # what the loss averaged over: padding excluded
         "tokens_per_s": step_tokens_per_s,  # while stepping: the model's speed
-        "tokens_per_s_wall": items / wall if wall > 0 else None,  # what the session delivered
+        "tokens_per_s_wall": tokens / wall if wall > 0 else None,  # what the session delivered
         "mfu": mfu,
         "peak_memory_bytes": peak_memory_bytes(),
         "final_loss": last_metrics.get("loss"),

@@ -1,12 +1,11 @@
 """The step loop: dispatch step t, then read step t-1's metrics (ready by then), so the host never
-blocks on the device for bookkeeping; checkpoints, evals, stop requests and the goodput timing
-sit around the step. Batches arrive already on the devices (`DeviceFeed`).
+blocks on the device for bookkeeping. One step call on every backend; checkpoints, evals, stop
+requests and the goodput timing sit around it. Batches arrive already on the devices.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ import jax
 import numpy as np
 
 from input_pipeline.device import DeviceFeed
-from input_pipeline.packed import field_shapes
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config
 from trainer.data import DataSources
@@ -25,7 +23,6 @@ from trainer.metrics import MetricsWriter
 from trainer.preemption import StopRequest
 from trainer.profiling import ProfileWindow
 from trainer.program import TrainProgram
-from trainer.save_overlap import SaveOverlap
 from trainer.state import TrainState
 
 
@@ -42,9 +39,7 @@ class RunResult:
 def evaluate(config: Config, sources: DataSources, program: TrainProgram, state) -> float:
     """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
     loss_sum, weight = 0.0, 0.0
-    feed = DeviceFeed(
-        iter(sources.make_eval()), program.batch_sharding, config.data.prefetch, packed=True
-    )
+    feed = DeviceFeed(iter(sources.make_eval()), program.batch_sharding, config.data.prefetch)
     with feed:
         for i, (batch, _) in enumerate(feed):
             if i >= config.eval.steps:
@@ -60,12 +55,42 @@ def evaluate(config: Config, sources: DataSources, program: TrainProgram, state)
     return loss_sum / weight
 
 
-def _items_in(batch: Mapping[str, jax.Array]) -> int:
-    """Tokens per global batch for token data (`inputs` [B, L]); examples otherwise."""
-    shapes = field_shapes(batch)
-    if len(shapes.get("inputs", ())) == 2:
-        return int(np.prod(shapes["inputs"]))
-    return int(next(iter(shapes.values()))[0])
+@dataclass
+class StepRecord:
+    """One dispatched step, its metrics still on the device until `Loop._record` reads them."""
+
+    step: int
+    metrics: dict[str, jax.Array]
+    seconds: float  # wall time since the previous step was dispatched
+    wait_s: float  # of which waiting for its batch
+
+
+@dataclass
+class LogWindow:
+    """The steps since the last metrics line: a line reports their means, not one sampled step."""
+
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    wait_s: float = 0.0
+    tokens: float = 0.0  # what the loss averaged over: tokens without padding, or examples
+
+    def add(self, record: StepRecord, metrics: dict[str, float]) -> None:
+        self.steps += 1
+        if np.isfinite(metrics["loss"]):
+            self.losses.append(metrics["loss"])
+        self.seconds += record.seconds
+        self.wait_s += record.wait_s
+        self.tokens += metrics["tokens"]
+
+    def means(self) -> dict[str, float]:
+        seconds = max(self.seconds, 1e-12)
+        return {
+            "loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
+            "tokens_per_s": self.tokens / seconds,
+            "step_time_s": self.seconds / max(self.steps, 1),
+            "data_wait_frac": min(self.wait_s / seconds, 1.0),
+        }
 
 
 @dataclass
@@ -81,7 +106,8 @@ class Loop:
     flops_per_token: float = 0.0
     peak_tflops: float | None = None  # per device; None when the device kind is unknown
     skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
-    items_per_step: int = 0  # tokens (or examples) in one global batch, read off the first one
+    tokens_seen: float = 0.0  # this session's, for the summary's throughput
+    window: LogWindow = field(default_factory=LogWindow)  # steps since the last metrics line
     goodput: Goodput = field(default_factory=Goodput)  # where the wall time goes
 
     def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
@@ -93,15 +119,12 @@ class Loop:
                 "train further"
             )
             return result
-        window: list[float] = []
-        pending = None  # (step, device metrics, step wall time, data wait) of the previous step
+        pending: StepRecord | None = None  # dispatched, metrics not read yet
         tick = time.perf_counter()
-        feed = DeviceFeed(
-            train_iter, self.program.batch_sharding, prefetch=config.data.prefetch, packed=True
-        )
+        feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
         timing = self.goodput.timing
-        overlap = SaveOverlap(self.program)  # steps after a save leave the saved state alone
+        train_step = self.program.stepper()
         with feed, StopRequest() as stop, profile:
             for step in range(start_step + 1, total + 1):
                 try:
@@ -112,33 +135,33 @@ class Loop:
                         f"the training data ran out before step {step}; repeat it (e.g. "
                         "grain's .repeat()) or lower run.steps"
                     ) from None
-                wait_s = feed.last_wait_s
-                self.items_per_step = self.items_per_step or _items_in(batch)
                 profile.before_step(step, state)
                 with timing("step"):
-                    state, metrics = overlap.step(state, batch)  # runs while we log t-1
+                    state, metrics = train_step(state, batch)  # runs while we log t-1
                     if pending is not None:
-                        self._record(pending, window, result)
+                        self._record(pending, result)
                 profile.after_step(step, metrics)
                 now = time.perf_counter()
-                step_time, tick = now - tick, now
-                if stop.at_step(step) or step % config.checkpoint.every == 0 or step == total:
+                pending = StepRecord(step, metrics, now - tick, feed.last_wait_s)
+                tick = now
+                saving = stop.at_step(step) or step % config.checkpoint.every == 0 or step == total
+                if saving:
+                    # Read now: never save a NaN, and this step's line is on disk before its
+                    # checkpoint can become the resume point (a resume truncates lines after it).
                     with timing("step"):  # waiting for the step's result is step time
-                        self._check_finite(step, jax.device_get(metrics))  # never save a NaN
-                    with timing("checkpoint"):
-                        blocked = self.checkpointer.save(step, state, data_state, self.meta)
-                        overlap.saving(state)
-                    metrics = {**metrics, "ckpt_block_s": blocked}
-                pending = (step, metrics, step_time, wait_s)
+                        self._record(pending, result, last=stop.requested)
+                    pending = None
                 evaluating = step % config.eval.every == 0 or step == total
                 if evaluating and self.sources.make_eval is not None:
                     with timing("eval"):
                         result.eval_loss = evaluate(config, self.sources, self.program, state)
                     self.writer.write(step, {"eval_loss": result.eval_loss})
+                if saving:
+                    with timing("checkpoint"):
+                        blocked = self.checkpointer.save(step, state, data_state, self.meta)
+                    self.writer.write(step, {"ckpt_block_s": blocked})
                 if stop.requested:
                     break
-            with timing("step"):
-                self._record(pending, window, result, force=True)
         result.state, result.step = state, step
         if stop.requested:
             with timing("checkpoint"):
@@ -155,18 +178,18 @@ class Loop:
             self.goodput,
             start_step=start_step,
             end_step=result.step,
-            items_per_step=self.items_per_step,
+            tokens=self.tokens_seen,
             flops_per_token=self.flops_per_token,
             peak_tflops=self.peak_tflops,
             last_metrics=result.last_metrics,
             eval_loss=result.eval_loss,
         )
 
-    def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
+    def _check_finite(self, step: int, metrics: dict[str, float]) -> None:
         if self.config.optim.skip_nonfinite:
             return
-        loss = float(np.asarray(metrics["loss"]))
-        if np.isfinite(loss) and float(np.asarray(metrics["params_finite"])) == 1.0:
+        loss = metrics["loss"]
+        if np.isfinite(loss) and metrics["params_finite"] == 1.0:
             return
         what = f"loss is {loss}" if not np.isfinite(loss) else "parameters became non-finite"
         raise TrainingError(
@@ -175,25 +198,18 @@ class Loop:
             "skip such steps"
         )
 
-    def _record(self, pending, window: list[float], result: RunResult, force=False) -> None:
-        """Fetch one finished step's metrics; check them; log every `log.every` steps."""
-        step, device_metrics, step_time, wait_s = pending
-        metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_metrics).items()}
+    def _record(self, record: StepRecord, result: RunResult, last: bool = False) -> None:
+        """Read one finished step's metrics; check them; write a line every `log.every` steps,
+        at the run's last step, and at a stop (`last`)."""
+        step = record.step
+        metrics = {k: float(v) for k, v in jax.device_get(record.metrics).items()}
         self._check_finite(step, metrics)
         self.skipped_steps += int(metrics.get("skipped", 0.0))
-        if np.isfinite(metrics["loss"]):
-            window.append(metrics["loss"])
-        if step % self.config.log.every and not force:
+        self.tokens_seen += metrics["tokens"]
+        self.window.add(record, metrics)
+        if step % self.config.log.every and step != self.config.run.steps and not last:
             return
-        tokens = self.items_per_step
-        row = {
-            "loss": sum(window) / len(window) if window else float("nan"),
-            "lr": metrics["lr"],
-            "grad_norm": metrics["grad_norm"],
-            "tokens_per_s": tokens / step_time,
-            "step_time_s": step_time,
-            "data_wait_frac": min(wait_s / step_time, 1.0),
-        }
+        row = {**self.window.means(), "lr": metrics["lr"], "grad_norm": metrics["grad_norm"]}
         tflops = row["tokens_per_s"] * self.flops_per_token / jax.device_count() / 1e12
         row["tflops_per_device"] = tflops
         if self.peak_tflops:
@@ -202,9 +218,7 @@ class Loop:
             row["skipped_steps"] = self.skipped_steps
         if self.config.data.skip_corrupt and self.sources.skipped_records is not None:
             row["corrupt_records_skipped"] = self.sources.skipped_records()
-        if "ckpt_block_s" in metrics:
-            row["ckpt_block_s"] = metrics["ckpt_block_s"]
         row.update(self.goodput.metrics())
-        window.clear()
         self.writer.write(step, row)
         result.last_metrics = row
+        self.window = LogWindow()  # the next line averages the steps after this one

@@ -10,11 +10,6 @@ import argparse
 import os
 import sys
 
-if __name__ == "__main__":  # first, before anything heavy loads: see trainer/host_memory.py
-    from trainer.host_memory import restart_with_huge_pages
-
-    restart_with_huge_pages()
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from input_pipeline.errors import DataError  # noqa: E402

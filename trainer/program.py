@@ -1,13 +1,14 @@
-"""Everything the loop runs for one (config, mesh): the model skeleton, the state shardings, the
-sharded init, and the jitted train/eval steps. Tests build it directly to compare meshes."""
+"""Everything the loop runs for one (config, mesh): the state and batch shardings, the sharded
+init, and the jitted train/eval steps. Tests build it directly to compare meshes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
-import optax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -15,7 +16,6 @@ from trainer import sharding
 from trainer.config import Config
 from trainer.optimizer import decay_mask, make_optimizer
 from trainer.state import (
-    ModelSkeleton,
     TrainState,
     abstract_model,
     abstract_state,
@@ -23,21 +23,18 @@ from trainer.state import (
     make_init_fn,
     state_shardings,
 )
-from trainer.step import LossFn, jit_steps, make_eval_step, make_train_step, next_token_loss
+from trainer.step import Batch, LossFn, jit_steps, make_eval_step, make_train_step, next_token_loss
 
 
 @dataclass(frozen=True)
 class TrainProgram:
     mesh: Mesh
-    skeleton: ModelSkeleton
-    schedule: optax.Schedule
     shardings: TrainState
     batch_sharding: NamedSharding
     num_params: int
     init_fn: Callable[[], TrainState]
     train_step: Callable
     eval_step: Callable
-    train_step_into: Callable  # (spare, state, batch): the new state lands in the donated spare
 
     def init(self) -> TrainState:
         """A fresh state, created directly in its sharded layout."""
@@ -47,6 +44,38 @@ class TrainProgram:
     def abstract_state(self) -> TrainState:
         """Shapes + target shardings: what a checkpoint restore writes into."""
         return abstract_state(self.shardings, self.init_fn)
+
+    def stepper(self) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+        """The loop's step. Either way a state passed in is consumed, as by donation."""
+        if all(device.platform == "cpu" for device in self.mesh.devices.flat):
+            return IntoSpareState(self.train_step, self.shardings, self.batch_sharding)
+        return self.train_step
+
+
+class IntoSpareState:
+    """XLA:CPU runs the step faster writing into a second, donated state than updating its input
+    in place (BENCHMARKS.md, "Double buffering"): each step's input becomes the next one's spare."""
+
+    def __init__(self, train_step: Callable, shardings: TrainState, batch_sharding: NamedSharding):
+        def train_step_into(spare: TrainState, state: TrainState, batch: Batch):
+            return train_step(state, batch)  # named: profiles show it, not `<lambda>`
+
+        self._step_into = jax.jit(
+            train_step_into,
+            in_shardings=(shardings, shardings, batch_sharding),
+            out_shardings=(shardings, sharding.replicated(batch_sharding.mesh)),
+            donate_argnums=(0,),
+            keep_unused=True,  # an unused argument is pruned otherwise, and its donation with it
+        )
+        self._blank = jax.jit(partial(jax.tree.map, jnp.zeros_like), out_shardings=shardings)
+        self._last: tuple[TrainState, TrainState] | None = None  # (input, output) of the last step
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        last_input, last_output = self._last or (None, None)
+        spare = last_input if state is last_output else self._blank(state)
+        new_state, metrics = self._step_into(spare, state, batch)
+        self._last = (state, new_state)
+        return new_state, metrics
 
 
 def build_program(
@@ -64,7 +93,7 @@ def build_program(
         )
         shardings = state_shardings(skeleton, tx, abstract_params, mesh)
         batch_sharding = sharding.batch_sharding(mesh)
-        train_step, eval_step, train_step_into = jit_steps(
+        train_step, eval_step = jit_steps(
             make_train_step(
                 skeleton,
                 tx,
@@ -79,13 +108,10 @@ def build_program(
         )
     return TrainProgram(
         mesh=mesh,
-        skeleton=skeleton,
-        schedule=schedule,
         shardings=shardings,
         batch_sharding=batch_sharding,
         num_params=sum(int(x.size) for x in jax.tree.leaves(abstract_params)),
         init_fn=make_init_fn(build, tx, config.run.seed),
         train_step=train_step,
         eval_step=eval_step,
-        train_step_into=train_step_into,
     )

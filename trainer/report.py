@@ -2,8 +2,8 @@
 
 Reads each workdir's `metrics.jsonl` (and `summary.json` when the run finished), draws one PNG
 (train and eval loss, learning rate, tokens/s, data wait fraction, step time, and where the time
-went; runs overlaid, labelled by workdir name) and prints a few lines per run. Headless:
-matplotlib's Agg backend, no display needed.
+went; runs overlaid, labelled by `run.name`, or by workdir name where that is the default) and
+prints a few lines per run. Headless: matplotlib's Agg backend, no display needed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from trainer.config import RunConfig
+
 USAGE_EXIT = 2
+DEFAULT_NAME = RunConfig().name  # says nothing about the run: the folder name does
 CURVES = (  # metrics.jsonl key, panel title
     ("lr", "learning rate"),
     ("tokens_per_s", "tokens/s"),
@@ -53,6 +58,18 @@ def _number(value: Any) -> float:
         return math.nan
 
 
+def run_name(workdir: str | Path) -> str:
+    """The run's label: `run.name` from its saved `config.yaml` unless left at the default
+    ("run", which says nothing), else the workdir's folder name."""
+    workdir = Path(workdir)
+    try:
+        config = yaml.safe_load((workdir / "config.yaml").read_text())
+        name = config["run"]["name"]
+    except (OSError, yaml.YAMLError, TypeError, KeyError):
+        name = None
+    return name if isinstance(name, str) and name and name != DEFAULT_NAME else workdir.name
+
+
 def load_run(workdir: str | Path, label: str | None = None) -> RunLog:
     workdir = Path(workdir)
     path = workdir / "metrics.jsonl"
@@ -71,7 +88,7 @@ def load_run(workdir: str | Path, label: str | None = None) -> RunLog:
     if not train:
         raise ReportError(f"{path} holds no training lines yet; wait for the first log.every step")
     return RunLog(
-        label=label or workdir.name,
+        label=label or run_name(workdir),
         workdir=workdir,
         train=train,
         evals=[r for r in rows if "eval_loss" in r],
@@ -89,10 +106,12 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
 
 
 def load_runs(workdirs: list[str | Path]) -> list[RunLog]:
-    """Runs labelled by workdir name, or by full path where two names collide."""
+    """Runs labelled by `run_name`, or by workdir path where two labels collide."""
     paths = [Path(w) for w in workdirs]
-    names = [p.name for p in paths]
-    return [load_run(p, p.name if names.count(p.name) == 1 else str(p)) for p in paths]
+    names = [run_name(p) for p in paths]
+    return [
+        load_run(p, n if names.count(n) == 1 else str(p)) for p, n in zip(paths, names, strict=True)
+    ]
 
 
 def text_summary(run: RunLog) -> str:

@@ -10,7 +10,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from trainer.config import MeshConfig
@@ -105,19 +104,6 @@ def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> Partiti
                     axes.append(axis)
         out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
     return PartitionSpec(*out)
-
-
-def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Mapping[str, object]):
-    """NamedShardings for every leaf of an abstract nnx.State, from its logical axis names."""
-    logical = nnx.get_partition_spec(abstract_state)
-
-    def to_sharding(spec):
-        spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
-        return NamedSharding(mesh, logical_to_mesh(spec or PartitionSpec(), rules))
-
-    return jax.tree.map(
-        to_sharding, logical, is_leaf=lambda x: isinstance(x, nnx.Variable | PartitionSpec)
-    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -1,9 +1,10 @@
 """Pure train and eval steps, jitted once with explicit shardings and a donated state.
 
 A loss function has the signature `(model, batch) -> (loss, aux)` where `loss` is a mean over
-the batch's tokens/examples and `aux` is a dict of scalars; when `aux["weight"]` is present (the
-number of tokens the mean is over), microbatch accumulation and eval averaging weigh by it, so
-`optim.accum_steps=k` gives the same update as one full batch.
+the batch's tokens/examples and `aux` is a dict of scalars. `aux["weight"]` is what the mean is
+over (tokens without padding; by default the batch's rows): microbatch accumulation and eval
+averaging weigh by it, so `optim.accum_steps=k` gives the same update as one full batch, and the
+token rate counts it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from input_pipeline.packed import fields
 from trainer.sharding import BATCH_AXES
 from trainer.state import ModelSkeleton, TrainState
 
@@ -36,8 +36,11 @@ def next_token_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[st
     return loss, {"weight": weight}
 
 
-def _weight(aux: dict[str, jax.Array]) -> jax.Array:
-    return jnp.asarray(aux.get("weight", 1.0), jnp.float32)
+def _weight(aux: dict[str, jax.Array], batch: Batch) -> jax.Array:
+    """What the loss is a mean over: `aux["weight"]`, else the batch's rows (examples)."""
+    if "weight" in aux:
+        return jnp.asarray(aux["weight"], jnp.float32)
+    return jnp.float32(jax.tree.leaves(batch)[0].shape[0])
 
 
 def _split_microbatches(batch: Batch, accum_steps: int) -> Batch:
@@ -70,21 +73,21 @@ def make_train_step(
         model = skeleton.merge(params, model_state)
         loss, aux = loss_fn(model, batch)
         new_model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
-        return loss * _weight(aux), (loss, aux, new_model_state)
+        weight = _weight(aux, batch)
+        return loss * weight, (loss, weight, new_model_state)
 
     grad_fn = jax.grad(loss_and_state, has_aux=True)
 
     def accumulate(params, model_state, batch):
         if accum_steps == 1:
-            grads, (loss, aux, model_state) = grad_fn(params, model_state, batch)
-            return grads, loss * _weight(aux), _weight(aux), model_state
+            grads, (loss, weight, model_state) = grad_fn(params, model_state, batch)
+            return grads, loss * weight, weight, model_state
 
         def micro(carry, microbatch):
             grad_sum, loss_sum, weight_sum, state = carry
-            grads, (loss, aux, state) = grad_fn(params, state, microbatch)
+            grads, (loss, weight, state) = grad_fn(params, state, microbatch)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-            w = _weight(aux)
-            return (grad_sum, loss_sum + loss * w, weight_sum + w, state), None
+            return (grad_sum, loss_sum + loss * weight, weight_sum + weight, state), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
@@ -94,7 +97,6 @@ def make_train_step(
         return grads, loss_sum, weight_sum, model_state
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        batch = fields(batch)  # a PackedBatch's block -> the dict the loss receives
         grads, loss_sum, weight_sum, model_state = accumulate(
             state.params, state.model_state, batch
         )
@@ -107,7 +109,7 @@ def make_train_step(
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
-            "tokens": weight_sum,
+            "tokens": weight_sum,  # what the loss averaged over (no padding): the token rate
         }
         # One pass over the new parameters: a finite loss can still come with an update that
         # overflows them, and such a state must never reach a checkpoint.
@@ -134,44 +136,27 @@ def make_eval_step(
     """Weighted loss sums, so an eval over several batches averages every token once."""
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
-        batch = fields(batch)
         model = skeleton.merge(state.params, state.model_state)
         loss, aux = loss_fn(model, batch)
-        return {"loss_sum": loss * _weight(aux), "weight": _weight(aux)}
+        weight = _weight(aux, batch)
+        return {"loss_sum": loss * weight, "weight": weight}
 
     return eval_step
 
 
 def jit_steps(
     train_step, eval_step, state_shardings: TrainState, batch_sharding: NamedSharding
-) -> tuple[Any, Any, Any]:
-    """Compile-once wrappers: explicit state shardings, donated train state.
-
-    Batches come placed (by `DeviceFeed`, or `jax.device_put(batch, batch_sharding)`) and keep
-    the sharding they arrive with: `batch_sharding` on a dict's fields, rows on axis 1 of a
-    `PackedBatch`'s block. One prefix sharding cannot describe both forms.
-
-    The third, `train_into(spare, state, batch)`, is the same step writing its new state into a
-    donated `spare` instead of into `state`, which stays intact: for a state that a background
-    checkpoint write still reads (see `trainer.save_overlap`). Jitted lazily: compiled only when
-    first used."""
+) -> tuple[Any, Any]:
+    """Compile-once wrappers with every sharding declared: the state's, the batch's (a prefix:
+    every field splits its rows over the batch axes), and a donated train state."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     train = jax.jit(
         train_step,
-        in_shardings=(state_shardings, None),
+        in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
-
-    def train_step_into(spare: TrainState, state: TrainState, batch: Batch):
-        return train_step(state, batch)  # named: profiles show `train_step_into`, not `<lambda>`
-
-    train_into = jax.jit(
-        train_step_into,
-        in_shardings=(state_shardings, state_shardings, None),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=(0,),
-        keep_unused=True,  # an unused argument is pruned otherwise, and its donation with it
+    evaluate = jax.jit(
+        eval_step, in_shardings=(state_shardings, batch_sharding), out_shardings=replicated
     )
-    evaluate = jax.jit(eval_step, in_shardings=(state_shardings, None), out_shardings=replicated)
-    return train, evaluate, train_into
+    return train, evaluate

@@ -13,7 +13,13 @@ from flax import nnx
 from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import Config
-from trainer.data import DataSources, dataset_sources, user_sources
+from trainer.data import (
+    DataSources,
+    check_batch_layout,
+    dataset_sources,
+    stream_count,
+    user_sources,
+)
 from trainer.errors import ConfigError, TrainingError
 from trainer.flops import device_peak_tflops, flops_per_token
 from trainer.goodput import Goodput, format_summary, write_summary
@@ -61,18 +67,6 @@ def builder_for_vocab(config: Config, vocab_size: int | None = None):
     )
 
 
-def check_batch_fits_mesh(config: Config, mesh) -> None:
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    accum = config.optim.accum_steps
-    micro = config.data.global_batch_size // accum
-    if micro % shards:
-        raise ConfigError(
-            f"data.global_batch_size={config.data.global_batch_size} / optim.accum_steps="
-            f"{accum} = {micro} rows do not split over mesh data*fsdp="
-            f"{shards}; use a global batch that is a multiple of {shards * accum}"
-        )
-
-
 def run_metadata(config: Config, sources: DataSources, params: Any) -> dict[str, Any]:
     return {
         "config": config.to_dict(),
@@ -110,11 +104,14 @@ def _run(
     workdir = Path(config.run.workdir)
     primary = jax.process_index() == 0
     mesh = sharding.make_mesh(config.mesh)
-    if data is None:
-        check_batch_fits_mesh(config, mesh)
-        sources = dataset_sources(config)
-    else:
-        sources = user_sources(data, eval_data)
+    ours = data is None  # a caller's batches: only their split into microbatches is ours
+    check_batch_layout(
+        config.data.global_batch_size,
+        config.optim.accum_steps,
+        batch_shards=mesh.shape["data"] * mesh.shape["fsdp"] if ours else 1,
+        streams=stream_count(config) if ours else 1,
+    )
+    sources = dataset_sources(config) if ours else user_sources(data, eval_data)
     if model is None:
         build = model_builder(config, sources.vocab_size or config.model.vocab_size or 0)
     else:
@@ -146,8 +143,8 @@ def _run(
         )
     else:
         writer.message(
-            f"model: {program.num_params / 1e6:.2f}M parameters; mesh {dict(mesh.shape)}; "
-            f"data {sources.description}"
+            f"{config.run.name}: model {program.num_params / 1e6:.2f}M parameters; "
+            f"mesh {dict(mesh.shape)}; data {sources.description}"
         )
     vocab_size = config.model.vocab_size or sources.vocab_size
     builtin = model is None and config.model.kind == "transformer"

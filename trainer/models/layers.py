@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainer.models.attention import attention_implementation
+
 if TYPE_CHECKING:
     from trainer.models.transformer import TransformerSpec
 
@@ -42,20 +44,25 @@ class PackedLayout(NamedTuple):
     built once per forward pass, not once per layer (inside the layer scan XLA recomputed the
     mask and the rotary angles at every layer, forward and backward)."""
 
-    mask: jax.Array  # [B, 1, L, L]: causal, and never across documents of a packed row
+    # [B, 1, L, L]: causal, and never across documents of a packed row; None for rows of one
+    # document each (no segment ids), which attend causally without a mask (cuDNN can run them)
+    mask: jax.Array | None
     sin: jax.Array  # [B, L, 1, K/2]: rotary angles at each token's in-document position
     cos: jax.Array
 
     @classmethod
     def of(
-        cls, segment_ids_BxL: jax.Array, positions_BxL: jax.Array, head_dim: int, theta: float
+        cls,
+        segment_ids_BxL: jax.Array | None,
+        positions_BxL: jax.Array,
+        head_dim: int,
+        theta: float,
     ) -> PackedLayout:
         half = head_dim // 2
         freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
         angles_BxLx1xF = (positions_BxL[..., None].astype(jnp.float32) * freqs_F)[:, :, None]
-        return cls(
-            packed_causal_mask(segment_ids_BxL), jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF)
-        )
+        mask = None if segment_ids_BxL is None else packed_causal_mask(segment_ids_BxL)
+        return cls(mask, jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF))
 
 
 def rotary(x_BxLxHxD: jax.Array, layout: PackedLayout) -> jax.Array:
@@ -93,6 +100,9 @@ class Attention(nnx.Module):
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim, self.rope_theta = spec.head_dim, spec.rope_theta
+        self.attention, self.compute_dtype = spec.attention, spec.compute_dtype
+        # a forced kernel that cannot run here fails at build, not at the first step's compile
+        attention_implementation(spec.attention, spec.compute_dtype, spec.head_dim, packed=False)
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.q = _dense(spec.d_model, q_dim, ("embed", "heads"), spec, rngs)
         self.k = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
@@ -106,9 +116,17 @@ class Attention(nnx.Module):
         v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
         q_BxLxHxK = rotary(q_BxLxHxK, layout)
         k_BxLxGxK = rotary(k_BxLxGxK, layout)
-        # XLA on CPU; on GPU, jax picks cuDNN flash attention when dtype and shapes allow.
+        # cuDNN flash attention or XLA, chosen by `models/attention.py` (cuDNN: unpacked rows)
+        implementation = attention_implementation(
+            self.attention, self.compute_dtype, self.head_dim, packed=layout.mask is not None
+        )
         out_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=layout.mask
+            q_BxLxHxK,
+            k_BxLxGxK,
+            v_BxLxGxK,
+            mask=layout.mask,
+            is_causal=layout.mask is None,
+            implementation=implementation,
         )
         return self.out(out_BxLxHxK.reshape(B, L, self.num_heads * self.head_dim))
 

@@ -1,24 +1,34 @@
-"""A bfloat16 matmul whose backward pass is bfloat16 too.
+"""A bfloat16 matmul whose backward pass is bfloat16 too, for the backend that needs it.
 
 Mixed precision means every matmul reads bf16 operands and accumulates in float32: what GPU
-tensor cores and TPU MXUs do natively. Left to autodiff, a `Linear` under bf16 compute does not
-stay there on XLA:CPU: a bf16 x bf16 -> bf16 dot is rewritten into an f32 dot (float
-normalization), and the transpose of a dot that accumulates in f32 multiplies an f32 cotangent
-by a bf16 operand, again an f32 dot. An explicit VJP keeps all three matmuls of a layer (forward,
-input gradient, weight gradient) as bf16 operands with f32 accumulation, each rounded to bf16 —
-the same numbers a GPU computes. On this 2-core CPU it made the nanoGPT-sized step ~20% faster
-(BENCHMARKS.md).
+tensor cores and TPU MXUs do natively, under plain autodiff too. XLA:CPU does not stay there: a
+bf16 x bf16 -> bf16 dot is rewritten into an f32 dot (float normalization), and the transpose of a
+dot that accumulates in f32 multiplies an f32 cotangent by a bf16 operand, again an f32 dot. An
+explicit VJP keeps all three matmuls of a layer (forward, input gradient, weight gradient) as bf16
+operands with f32 accumulation, each rounded to bf16 — the same numbers a GPU computes — and is
+faster on CPU (BENCHMARKS.md, "bf16 backward matmuls"); `linear_dot_general` picks it there only.
 
-Remat policies that pick values by primitive (`save_dots`) cannot see inside a custom VJP, so
-the built-in model uses this only where no such policy is set (`TransformerSpec.dot_general`).
+Its output is tagged `BF16_DOT`, so a remat policy can save it by name (`model.remat=save_dots`):
+a policy that picks values by primitive cannot see the dot inside a custom VJP.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 _BF16 = jnp.dtype(jnp.bfloat16)
+BF16_DOT = "bf16_dot"  # the checkpoint name of the explicit-VJP matmul's output
+DotGeneral = Callable[..., jax.Array]
+
+
+def linear_dot_general(platform: str) -> DotGeneral:
+    """The matmul of dense layers on `platform`: the explicit VJP on CPU, where it is measured to
+    help; plain `dot_general` on GPU/TPU, whose autodiff already keeps bf16 backward dots."""
+    return mixed_precision_dot_general if platform == "cpu" else jax.lax.dot_general
 
 
 def mixed_precision_dot_general(
@@ -35,7 +45,7 @@ def mixed_precision_dot_general(
     linear = dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))
     bf16_result = preferred_element_type is None or jnp.dtype(preferred_element_type) == _BF16
     if linear and bf16_result and lhs.dtype == _BF16 and rhs.dtype == _BF16 and rhs.ndim == 2:
-        return _bf16_linear(lhs, rhs)
+        return checkpoint_name(_bf16_linear(lhs, rhs), BF16_DOT)
     return jax.lax.dot_general(
         lhs,
         rhs,

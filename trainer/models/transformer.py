@@ -1,6 +1,7 @@
 """A modern decoder-only transformer in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query
-attention through `jax.nn.dot_product_attention` (cuDNN flash on GPU, XLA on CPU), layers stacked
-under one `scan` so compile time does not grow with depth.
+attention through `jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs of compute
+capability 8.0+ for unpacked rows, XLA otherwise: `models/attention.py`), layers stacked under one
+`scan` so compile time does not grow with depth.
 
 Every parameter names its axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`, `layers`,
 `norm`); `trainer.sharding` maps those names to mesh axes.
@@ -15,12 +16,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
+from trainer.models.attention import device_facts
 from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
-from trainer.models.matmul import mixed_precision_dot_general
+from trainer.models.matmul import BF16_DOT, linear_dot_general
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # plain dots, and the bf16 matmuls of `models/matmul.py`, which a dot policy cannot see
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(BF16_DOT),
+    ),
 }
 
 
@@ -39,6 +45,7 @@ class TransformerSpec:
     tie_embeddings: bool = False
     remat: str = "none"
     scan_layers: bool = True
+    attention: str = "auto"
     compute_dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
 
@@ -48,9 +55,8 @@ class TransformerSpec:
 
     @property
     def dot_general(self):
-        """The matmul of every dense layer: bf16 forward and backward (`models/matmul.py`),
-        except under `save_dots`, whose policy must see plain dots to save them."""
-        return jax.lax.dot_general if self.remat == "save_dots" else mixed_precision_dot_general
+        """The matmul of every dense layer, picked for this backend (`models/matmul.py`)."""
+        return linear_dot_general(device_facts()[0])
 
     @classmethod
     def from_config(
@@ -69,6 +75,7 @@ class TransformerSpec:
             tie_embeddings=config.tie_embeddings,
             remat=config.remat,
             scan_layers=config.scan_layers,
+            attention=config.attention,
             compute_dtype=compute_dtype,
             param_dtype=param_dtype,
         )
@@ -129,7 +136,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
         inputs_BxL = batch["inputs"]
-        segment_ids_BxL = batch.get("segment_ids", jnp.ones_like(inputs_BxL))
+        segment_ids_BxL = batch.get("segment_ids")  # None: one document per row, no mask
         positions_BxL = batch.get("positions")
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]), inputs_BxL.shape)
