@@ -5,7 +5,9 @@
    metrics every step, checkpoints off the hot path) vs a bare loop that calls the same step
    (`TrainProgram.stepper`: same step function, same buffer strategy) on batches already on the
    devices, so the ratio is the loop's own overhead (target <= 1.05x);
-3. with `--against DIR` (a checkout of another commit), the trainer loop's step time of that
+3. the bare loop again with the donating in-place step, beside the loop's step (on CPU: into a
+   spare state), to show which buffer strategy is faster here;
+4. with `--against DIR` (a checkout of another commit), the trainer loop's step time of that
    checkout beside this one's, in interleaved rounds (target: at most 1.05x slower here).
 
     python benchmarks/train_step.py [--steps 60] [--rounds 3] [--configs A.yaml B.yaml]
@@ -74,11 +76,14 @@ def compile_seconds(config_path: str, num_layers: int) -> float:
     return time.perf_counter() - start
 
 
-def bare_step_seconds(config: Config, vocab_size: int, batches: list[dict], steps: int) -> float:
-    """The baseline: the trainer's own step on pre-placed batches, in the shortest loop."""
+def bare_step_seconds(
+    config: Config, vocab_size: int, batches: list[dict], steps: int, in_place: bool = False
+) -> float:
+    """The baseline: the trainer's own step on pre-placed batches, in the shortest loop; with
+    `in_place`, the donating step instead of the loop's (which on CPU steps into a spare)."""
     mesh = sharding.make_mesh(config.mesh)
     program = build_program(config, mesh, builder(config, vocab_size))
-    step = program.stepper()
+    step = program.train_step if in_place else program.stepper()
     device_batches = [jax.device_put(b, program.batch_sharding) for b in batches]
     with jax.set_mesh(mesh):
         state = program.init()
@@ -142,13 +147,16 @@ def main() -> None:
         f"ratio {c32 / c4:.2f}x"
     )
     for path in args.configs:
-        trainer_times, bare_times, other_times, waits = [], [], [], []
+        trainer_times, bare_times, in_place_times, other_times, waits = [], [], [], [], []
         for _ in range(args.rounds):  # interleaved: a busy neighbour slows every side alike
             trainer_s, max_wait, config = trainer_step_seconds(path, args.steps)
             info = load_dataset(config)
             host = lm_batches(config, info, "train")
             batches = [next(host) for _ in range(8)]
             bare_times.append(bare_step_seconds(config, info.vocab_size, batches, args.steps))
+            in_place_times.append(
+                bare_step_seconds(config, info.vocab_size, batches, args.steps, in_place=True)
+            )
             trainer_times.append(trainer_s)
             waits.append(max_wait)
             if args.against:
@@ -161,6 +169,16 @@ def main() -> None:
             f"max data_wait_frac {max(waits):.3f}); bare loop {bare_s * 1e3:.1f} ms/step; "
             f"ratio median {statistics.median(ratios):.3f}x over {args.rounds} rounds "
             f"({', '.join(f'{r:.3f}' for r in ratios)})"
+        )
+        in_place_s = statistics.median(in_place_times)
+        print(
+            f"{path}: bare loop stepping in place {in_place_s * 1e3:.1f} ms/step vs the loop's "
+            f"step {bare_s * 1e3:.1f} ms/step: {bare_s / in_place_s:.3f}x (rounds: "
+            + ", ".join(
+                f"{b * 1e3:.1f} vs {i * 1e3:.1f}"
+                for b, i in zip(bare_times, in_place_times, strict=True)
+            )
+            + ")"
         )
         if other_times:
             other_s = statistics.median(other_times)
