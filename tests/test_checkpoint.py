@@ -22,9 +22,12 @@ from trainer.program import build_program
 from trainer.train import builder_for_vocab, run
 
 
+def rows_of(workdir: Path) -> list[dict]:
+    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses_of(workdir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in rows_of(workdir) if "loss" in r}
 
 
 def saved_steps(workdir: Path) -> list[int]:
@@ -71,11 +74,15 @@ def tfrecord_corpus(tmp_path_factory) -> Path:
 @pytest.mark.slow
 # None: ArrayRecord data; grain: TFRecord data through the default reader. The tf.data reader's
 # exact resume is tested at the iterator level in test_tfrecord.py (its end-to-end run adds ~60 s).
-@pytest.mark.parametrize("reader", [None, "grain"])
-def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root, reader, request):
+# float16: ArrayRecord data in fp16 compute, the loss scale doubling every 4 clean steps, so the
+# resumed run must also continue the scale and its counter exactly.
+@pytest.mark.parametrize("variant", [None, "grain", "float16"])
+def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root, variant, request):
     data = [f"data.path={corpus}"]
-    if reader:
-        data = [f"data.path={request.getfixturevalue('tfrecord_corpus')}", f"data.reader={reader}"]
+    if variant == "grain":
+        data = [f"data.path={request.getfixturevalue('tfrecord_corpus')}", "data.reader=grain"]
+    if variant == "float16":
+        data += ["precision.compute=float16", "precision.loss_scale_period=4"]
     args = [
         *data,
         "run.steps=40",
@@ -107,6 +114,10 @@ def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root, 
     assert [got[s] for s in range(stopped_at + 1, 41)] == [
         expected[s] for s in range(stopped_at + 1, 41)
     ]
+    if variant == "float16":
+        scales = {r["step"]: r["loss_scale"] for r in rows_of(straight) if "loss_scale" in r}
+        resumed_scales = {r["step"]: r["loss_scale"] for r in rows_of(workdir) if "loss_scale" in r}
+        assert resumed_scales == scales and len(set(scales.values())) > 1  # it moved, and resumed
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(corpus, tmp_path):

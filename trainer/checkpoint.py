@@ -23,7 +23,10 @@ from trainer.state import TrainState
 
 def _train_part(state: TrainState) -> dict[str, Any]:
     """Everything but the parameters, saved as its own item so `params` restores alone."""
-    return {"step": state.step, "model_state": state.model_state, "opt_state": state.opt_state}
+    part = {"step": state.step, "model_state": state.model_state, "opt_state": state.opt_state}
+    if state.loss_scale is not None:  # float16 runs: the scale resumes where it was
+        part["loss_scale"] = state.loss_scale
+    return part
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -148,6 +151,7 @@ class Checkpointer:
             params=restored.params,
             model_state=train["model_state"],
             opt_state=train["opt_state"],
+            loss_scale=train.get("loss_scale"),
         )
         data_state = data_checkpointing.restore_position(
             self.directory / str(step) / "data", jax.process_index(), jax.process_count()

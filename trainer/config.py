@@ -102,8 +102,25 @@ class MeshConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    compute: Literal["bfloat16", "float32"] = "bfloat16"
+    # float16: for GPUs without fast bf16 (RTX 20xx, V100, T4), with dynamic loss scaling
+    compute: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     params: Literal["float32", "bfloat16"] = "float32"
+    # float16 only: start, double after `period` finite steps in a row, halve (and skip the
+    # step) on a non-finite gradient, within [min, max]
+    loss_scale_init: float = Field(2.0**15, gt=0)
+    loss_scale_period: int = Field(2000, ge=1)
+    loss_scale_min: float = Field(1.0, gt=0)
+    loss_scale_max: float = Field(2.0**24, gt=0)
+
+    @model_validator(mode="after")
+    def _scale_bounds(self) -> PrecisionConfig:
+        if not self.loss_scale_min <= self.loss_scale_init <= self.loss_scale_max:
+            raise ValueError(
+                f"precision.loss_scale_init={self.loss_scale_init} is outside [loss_scale_min="
+                f"{self.loss_scale_min}, loss_scale_max={self.loss_scale_max}]; pick a start "
+                "between the bounds"
+            )
+        return self
 
 
 class OptimConfig(_Section):

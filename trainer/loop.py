@@ -186,6 +186,9 @@ class Loop:
         )
 
     def _check_finite(self, step: int, metrics: dict[str, float]) -> None:
+        if "loss_scale" in metrics and metrics["skipped"]:
+            self._check_loss_scale(step, metrics["loss_scale"])
+            return  # skipped: the update was not applied
         if self.config.optim.skip_nonfinite:
             return
         loss = metrics["loss"]
@@ -196,6 +199,17 @@ class Loop:
             f"{what} at step {step}; the last good checkpoint is kept. Lower optim.lr, check "
             "the data, use precision.compute=float32, or set optim.skip_nonfinite=true to "
             "skip such steps"
+        )
+
+    def _check_loss_scale(self, step: int, scale: float) -> None:
+        """A float16 step overflowed at the smallest scale allowed: it would only skip on."""
+        floor = self.config.precision.loss_scale_min
+        if scale > floor:
+            return
+        raise TrainingError(
+            f"float16 gradients overflowed at step {step} even at the minimum loss scale "
+            f"(precision.loss_scale_min={floor:g}); the last good checkpoint is kept. Lower "
+            "optim.lr, or train in precision.compute=bfloat16 (GPUs with bf16) or float32"
         )
 
     def _record(self, record: StepRecord, result: RunResult, last: bool = False) -> None:
@@ -214,7 +228,9 @@ class Loop:
         row["tflops_per_device"] = tflops
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
-        if self.config.optim.skip_nonfinite:
+        if "loss_scale" in metrics:
+            row["loss_scale"] = metrics["loss_scale"]
+        if "skipped" in metrics:
             row["skipped_steps"] = self.skipped_steps
         if self.config.data.skip_corrupt and self.sources.skipped_records is not None:
             row["corrupt_records_skipped"] = self.sources.skipped_records()

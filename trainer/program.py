@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from trainer import sharding
 from trainer.config import Config
+from trainer.loss_scale import LossScaling
 from trainer.optimizer import decay_mask, make_optimizer
 from trainer.state import (
     TrainState,
@@ -91,7 +92,8 @@ def build_program(
         tx, schedule = make_optimizer(
             config.optim, config.run.steps, mask=decay_mask(skeleton.param_specs)
         )
-        shardings = state_shardings(skeleton, tx, abstract_params, mesh)
+        scaling = LossScaling.from_config(config.precision)
+        shardings = state_shardings(skeleton, tx, abstract_params, mesh, scaling)
         batch_sharding = sharding.batch_sharding(mesh)
         train_step, eval_step = jit_steps(
             make_train_step(
@@ -101,6 +103,7 @@ def build_program(
                 loss_fn,
                 config.optim.accum_steps,
                 skip_nonfinite=config.optim.skip_nonfinite,
+                scaling=scaling,
             ),
             make_eval_step(skeleton, loss_fn),
             shardings,
@@ -111,7 +114,7 @@ def build_program(
         shardings=shardings,
         batch_sharding=batch_sharding,
         num_params=sum(int(x.size) for x in jax.tree.leaves(abstract_params)),
-        init_fn=make_init_fn(build, tx, config.run.seed),
+        init_fn=make_init_fn(build, tx, config.run.seed, scaling),
         train_step=train_step,
         eval_step=eval_step,
     )

@@ -19,6 +19,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer import sharding
+from trainer.loss_scale import LossScale, LossScaling
 
 PyTree = Any
 
@@ -31,6 +32,7 @@ class TrainState:
     params: PyTree
     model_state: PyTree  # non-parameter module state, e.g. a dropout RNG stream
     opt_state: PyTree
+    loss_scale: LossScale | None = None  # float16 compute only (`trainer.loss_scale`)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,11 @@ def abstract_model(
 
 
 def state_shardings(
-    skeleton: ModelSkeleton, tx: optax.GradientTransformation, abstract_params: PyTree, mesh: Mesh
+    skeleton: ModelSkeleton,
+    tx: optax.GradientTransformation,
+    abstract_params: PyTree,
+    mesh: Mesh,
+    scaling: LossScaling | None = None,
 ) -> TrainState:
     """Optimizer moments follow their parameter's sharding (ZeRO-style); counters replicate."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -106,6 +112,7 @@ def state_shardings(
         params=skeleton.param_shardings,
         model_state=skeleton.model_state_shardings,
         opt_state=opt_shardings,
+        loss_scale=None if scaling is None else jax.tree.map(lambda _: replicated, scaling.init()),
     )
 
 
@@ -118,7 +125,10 @@ def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> Tra
 
 
 def make_init_fn(
-    build: Callable[..., nnx.Module], tx: optax.GradientTransformation, seed: int
+    build: Callable[..., nnx.Module],
+    tx: optax.GradientTransformation,
+    seed: int,
+    scaling: LossScaling | None = None,
 ) -> Callable[[], TrainState]:
     """A pure function building the initial state; jit it with the state shardings."""
 
@@ -132,6 +142,7 @@ def make_init_fn(
             params=params,
             model_state=_pure(rest),
             opt_state=tx.init(params),
+            loss_scale=None if scaling is None else scaling.init(),
         )
 
     return init

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from trainer.loss_scale import LossScaling
 from trainer.sharding import BATCH_AXES
 from trainer.state import ModelSkeleton, TrainState
 
@@ -63,29 +64,46 @@ def make_train_step(
     loss_fn: LossFn = next_token_loss,
     accum_steps: int = 1,
     skip_nonfinite: bool = False,
+    scaling: LossScaling | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure step: forward/backward (accumulated over microbatches), clip, AdamW update.
 
     With `skip_nonfinite`, a step whose loss or gradients are NaN/Inf leaves parameters and
-    optimizer state untouched (reported as `skipped=1`) instead of poisoning them."""
+    optimizer state untouched (reported as `skipped=1`) instead of poisoning them. With
+    `scaling` (float16 compute), the loss is scaled before the backward pass and the gradients
+    unscaled after accumulation; a step whose gradients overflowed is skipped the same way and
+    the scale adjusted (`trainer.loss_scale`). Without it, no scaling code is compiled in."""
 
-    def loss_and_state(params, model_state, batch):
+    def loss_and_state(params, model_state, batch, loss_scale):
         model = skeleton.merge(params, model_state)
         loss, aux = loss_fn(model, batch)
         new_model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
         weight = _weight(aux, batch)
-        return loss * weight, (loss, weight, new_model_state)
+        if loss_scale is None:
+            return loss * weight, (loss, weight, new_model_state)
+        # The mean loss is scaled, as fp16 practice has it (the sum would overflow sooner);
+        # `weighted_grads` multiplies by the weight after the backward pass, in fp32.
+        return loss * loss_scale, (loss, weight, new_model_state)
 
     grad_fn = jax.grad(loss_and_state, has_aux=True)
 
-    def accumulate(params, model_state, batch):
+    def weighted_grads(params, model_state, batch, loss_scale):
+        """Gradients of `loss * weight` (times the loss scale, when there is one)."""
+        grads, (loss, weight, model_state) = grad_fn(params, model_state, batch, loss_scale)
+        if loss_scale is not None:
+            grads = jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
+        return grads, (loss, weight, model_state)
+
+    def accumulate(params, model_state, batch, loss_scale):
         if accum_steps == 1:
-            grads, (loss, weight, model_state) = grad_fn(params, model_state, batch)
+            grads, (loss, weight, model_state) = weighted_grads(
+                params, model_state, batch, loss_scale
+            )
             return grads, loss * weight, weight, model_state
 
         def micro(carry, microbatch):
             grad_sum, loss_sum, weight_sum, state = carry
-            grads, (loss, weight, state) = grad_fn(params, state, microbatch)
+            grads, (loss, weight, state) = weighted_grads(params, state, microbatch, loss_scale)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             return (grad_sum, loss_sum + loss * weight, weight_sum + weight, state), None
 
@@ -97,14 +115,16 @@ def make_train_step(
         return grads, loss_sum, weight_sum, model_state
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss_scale = None if scaling is None else state.loss_scale.scale
         grads, loss_sum, weight_sum, model_state = accumulate(
-            state.params, state.model_state, batch
+            state.params, state.model_state, batch, loss_scale
         )
-        scale = 1.0 / jnp.maximum(weight_sum, 1e-9)
-        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        per_item = 1.0 / jnp.maximum(weight_sum, 1e-9)
+        unscale = per_item if loss_scale is None else per_item / loss_scale
+        grads = jax.tree.map(lambda g: (g * unscale).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        loss, grad_norm = loss_sum * scale, optax.tree.norm(grads)
+        loss, grad_norm = loss_sum * per_item, optax.tree.norm(grads)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -113,21 +133,37 @@ def make_train_step(
         }
         # One pass over the new parameters: a finite loss can still come with an update that
         # overflows them, and such a state must never reach a checkpoint.
-        params_finite = jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)]))
+        params_finite = _all_finite(params)
         metrics["params_finite"] = params_finite.astype(jnp.float32)
+        keep = None  # whether this step's update is applied, where a step may be skipped
+        new_loss_scale = None
+        if scaling is not None:
+            keep = _all_finite(grads)  # global arrays: every device's and host's gradients
+            new_loss_scale = scaling.update(state.loss_scale, keep)
+            metrics["loss_scale"] = loss_scale  # the scale this step ran with
         if skip_nonfinite:
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
-            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            keep = finite if keep is None else keep & finite
+        if keep is not None:
+            keep_old = lambda new, old: jnp.where(keep, new, old)  # noqa: E731
             params = jax.tree.map(keep_old, params, state.params)
             opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
-            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-            metrics["params_finite"] = jnp.ones((), jnp.float32)  # the old ones were kept
+            metrics["skipped"] = 1.0 - keep.astype(jnp.float32)
+            metrics["params_finite"] = jnp.where(keep, params_finite, True).astype(jnp.float32)
         new_state = TrainState(
-            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+            step=state.step + 1,
+            params=params,
+            model_state=model_state,
+            opt_state=opt_state,
+            loss_scale=new_loss_scale,
         )
         return new_state, metrics
 
     return train_step
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
 
 def make_eval_step(

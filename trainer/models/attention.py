@@ -64,6 +64,14 @@ def attention_implementation(
     )
 
 
+def attention_dtype(compute_dtype) -> jnp.dtype:
+    """The dtype attention runs in: the compute dtype, except float16 on CPU, where XLA has no
+    fp16 x fp16 -> fp32 dot for jax's attention logits (fp16 on CPU is for tests only)."""
+    if jnp.dtype(compute_dtype) == jnp.float16 and device_facts()[0] == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(compute_dtype)
+
+
 def _cudnn_problem(
     platform: str, compute_capability: str | None, compute_dtype, head_dim: int
 ) -> str | None:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.models.attention import attention_implementation
+from trainer.models.attention import attention_dtype, attention_implementation
 
 if TYPE_CHECKING:
     from trainer.models.transformer import TransformerSpec
@@ -120,14 +120,15 @@ class Attention(nnx.Module):
         implementation = attention_implementation(
             self.attention, self.compute_dtype, self.head_dim, packed=layout.mask is not None
         )
+        dtype = attention_dtype(self.compute_dtype)
         out_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK,
-            k_BxLxGxK,
-            v_BxLxGxK,
+            q_BxLxHxK.astype(dtype),
+            k_BxLxGxK.astype(dtype),
+            v_BxLxGxK.astype(dtype),
             mask=layout.mask,
             is_causal=layout.mask is None,
             implementation=implementation,
-        )
+        ).astype(q_BxLxHxK.dtype)
         return self.out(out_BxLxHxK.reshape(B, L, self.num_heads * self.head_dim))
 
 
