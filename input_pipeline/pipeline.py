@@ -18,7 +18,7 @@ from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.reading import Reading
-from input_pipeline.records import CheckedSource, DecodeRecord
+from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
 from input_pipeline.tfrecords import tfrecord_pairs
 
 PACKING_MODES = ("concat", "first_fit")
@@ -41,7 +41,7 @@ class ReadRecords(grain.transforms.Map):
 
     def __init__(
         self,
-        source: CheckedSource,
+        source: CheckedSource | MemorySource,
         *,
         dtype: str,
         host_index: int,
@@ -132,10 +132,38 @@ class PadBatch(grain.transforms.Map):
         }
 
 
-def arrayrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.IterDataset:
+def split_source(info: DatasetInfo, split: str, reading: Reading) -> CheckedSource:
+    """Random access over an ArrayRecord split's shards, damaged records handled as `reading`
+    says."""
+    shards = info.split(split)["shards"]
+    return CheckedSource(
+        info.shard_paths(split),
+        [s["records"] for s in shards],
+        skip_corrupt=reading.skip_corrupt,
+        skip_log=reading.skip_log,
+    )
+
+
+def memory_source(info: DatasetInfo, split: str, reading: Reading) -> MemorySource:
+    """An ArrayRecord split read into RAM once (`data.cache=memory`), for every stream to share."""
+    if info.format != "arrayrecord":
+        raise DataError(
+            f"data.cache=memory reads ArrayRecord datasets but {info.path} is {info.format}; "
+            "use data.cache=none, or prepare it with --format arrayrecord"
+        )
+    return MemorySource(split_source(info, split, reading))
+
+
+def arrayrecord_pairs(
+    info: DatasetInfo,
+    split: str,
+    reading: Reading,
+    source: MemorySource | None = None,
+) -> grain.IterDataset:
     """This host's decoded `{"inputs", "targets"}` records of an ArrayRecord split, a list of
     ~`READ_TOKENS` tokens of records per element: split -> global shuffle (new order every
-    epoch) -> repeat -> read + decode, on `reading.read_threads` threads."""
+    epoch) -> repeat -> read + decode, on `reading.read_threads` threads. `source` (e.g. a
+    `MemorySource`) replaces reading the shards from storage."""
     if info.format != "arrayrecord":
         raise DataError(
             f"{info.path} has format {info.format!r}; this version reads arrayrecord or "
@@ -146,13 +174,7 @@ def arrayrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.
             f"data.reader=tfdata reads TFRecord data but {info.path} is ArrayRecord; use "
             "data.reader=auto, or prepare it with --format tfrecord"
         )
-    shards = info.split(split)["shards"]
-    source = CheckedSource(
-        info.shard_paths(split),
-        [s["records"] for s in shards],
-        skip_corrupt=reading.skip_corrupt,
-        skip_log=reading.skip_log,
-    )
+    source = source if source is not None else split_source(info, split, reading)
     mean_tokens = info.split(split)["tokens"] / max(1, len(source))
     reads = ReadRecords(
         source,
@@ -185,9 +207,11 @@ def make_batch_iterator(
     batch_size: int,
     packing: str = "concat",
     reading: Reading | None = None,
+    source: MemorySource | None = None,
 ) -> grain.DatasetIterator:
-    """This host's batches of `split`, read as `reading` says (default `Reading()`); the
-    iterator's state checkpoints its exact position. Both shard formats meet the same packing."""
+    """This host's batches of `split`, read as `reading` says (default `Reading()`), or from
+    `source` (an ArrayRecord split already in RAM); the iterator's state checkpoints its exact
+    position. Both shard formats meet the same packing."""
     reading = reading or Reading()
     if seq_len < 2 or batch_size < 1:
         raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
@@ -196,7 +220,7 @@ def make_batch_iterator(
     if info.format == "tfrecord":
         pairs = tfrecord_pairs(info, split, reading)
     else:
-        pairs = arrayrecord_pairs(info, split, reading)
+        pairs = arrayrecord_pairs(info, split, reading, source)
     lengths = {name: seq_len for name in FEATURES}
     if packing == "concat":
         batches = ConcatPackIterDataset(pairs, seq_len=seq_len, batch_size=batch_size)

@@ -2,44 +2,69 @@
 
     python -m input_pipeline.prepare --input 'corpus/*.txt' --output data/mycorpus \\
         [--eval-fraction 0.01 | --eval-input 'held_out/*.txt'] [--overwrite] \\
-        [--format arrayrecord|tfrecord]
+        [--format arrayrecord|tfrecord] [--workers N] [--num-parts N --part i | --merge]
 
 `.txt` files are one document each; `.jsonl` files hold one document per line in a `text` field;
 `.parquet` files hold one document per row in a `text` column (`--text-field` names another).
-`--tokenizer sentencepiece --vocab-size N` trains a SentencePiece model on the training text;
-`--tokenizer PATH.model` uses an existing one. Either is stored in the dataset folder.
-The output appears atomically: a killed prepare never leaves a folder that looks complete.
+`--tokenizer sentencepiece --vocab-size N` trains a SentencePiece model on a bounded sample of the
+training text (`--tokenizer-sample-sentences`); `--tokenizer PATH.model` uses an existing one, and
+`--tokenizer hf:PATH` a Hugging Face folder's `tokenizer.json` (offline, `tokenizers` library).
+Each is stored in the dataset folder.
+
+Documents stream from the files to the shard writers in groups of about `--group-mb` of input,
+tokenized by `--workers` processes (default: every core), so memory does not grow with the
+corpus. Groups are written into `.<output>.partial/` and marked finished one by one: re-running a
+killed prepare with the same command resumes it. `--num-parts N --part i` prepares one slice of
+the groups (a Slurm array task, or one of N processes); the last part to finish, or a final run
+with `--merge`, writes `dataset.json`. The output appears atomically: a killed prepare never
+leaves a folder that looks complete.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import hashlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence, Sized
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from input_pipeline import tfrecords
 from input_pipeline.dataset_info import INFO_FILE
+from input_pipeline.documents import input_files, plan_groups, sample_lines
 from input_pipeline.errors import DataError
-from input_pipeline.records import split_long, token_dtype, write_shards
-from input_pipeline.tokenizers import Tokenizer, make_tokenizer
+from input_pipeline.records import token_dtype
+from input_pipeline.shard_groups import (
+    Recipe,
+    Source,
+    finished,
+    group_folder,
+    is_eval_document,
+    write_group,
+)
+from input_pipeline.staging import (
+    finish,
+    open_staging,
+    part_groups,
+    part_of,
+    run_groups,
+    staged_tokenizer,
+    take_merge_lock,
+)
+from input_pipeline.tokenizers import (
+    TRAINING_SENTENCES,
+    Tokenizer,
+    make_tokenizer,
+)
+
+__all__ = ["is_eval_document", "main", "prepare_dataset", "prepare_files"]
 
 DEFAULT_MAX_RECORD_TOKENS = 16384
-ENCODE_BATCH = 256  # documents per tokenizer call
-WRITERS = {"arrayrecord": write_shards, "tfrecord": tfrecords.write_shards}  # by --format
-
-
-def is_eval_document(text: str, eval_fraction: float) -> bool:
-    """Deterministic by content: the same corpus always gives the same held-out split."""
-    digest = hashlib.sha256(text.encode("utf-8", errors="replace")).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < eval_fraction
+DEFAULT_GROUP_MB = 64.0  # input per group: the unit of resume and of work for one process
+FORMATS = ("arrayrecord", "tfrecord")
 
 
 def prepare_dataset(
@@ -55,152 +80,152 @@ def prepare_dataset(
     max_record_tokens: int = DEFAULT_MAX_RECORD_TOKENS,
     overwrite: bool = False,
     progress: bool = True,
+    sample_sentences: int = TRAINING_SENTENCES,
 ) -> Path:
-    """Write `output_dir` with train/eval shards and `dataset.json`; return it.
+    """Write `output_dir` with train/eval shards and `dataset.json` from documents in memory
+    or streamed by any iterable (one process; `prepare_files` is the resumable, parallel path).
 
-    `tokenizer` is `byte`, `sentencepiece` (trained here on the training documents, with
-    `vocab_size` pieces) or the path of an existing SentencePiece `.model` file; a SentencePiece
-    model is stored in the dataset folder.
+    `tokenizer` is `byte`, `sentencepiece` (trained here on the first `sample_sentences` lines of
+    the training documents, with `vocab_size` pieces) or the path of an existing SentencePiece
+    `.model` file; a SentencePiece model is stored in the dataset folder.
     """
     output = Path(output_dir)
-    if (output / INFO_FILE).exists() and not overwrite:
-        raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
-    if format not in WRITERS:
-        raise DataError(f"--format {format} is unknown; use one of {', '.join(WRITERS)}")
-    if not 0.0 <= eval_fraction < 1.0:
-        raise DataError(f"--eval-fraction={eval_fraction} must be in [0, 1)")
-    train, held_out = [], []
-    for text in documents:
-        if eval_documents is None and is_eval_document(text, eval_fraction):
-            held_out.append(text)
-        else:
-            train.append(text)
-    if eval_documents is not None:
-        held_out = list(eval_documents)
-    elif eval_fraction > 0 and not held_out and len(train) > 1:
-        held_out.append(train.pop())  # a tiny corpus still gets an eval split
-    if not train:
-        raise DataError(f"no training documents for {output}; check the --input files")
-
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    _check_options(output, overwrite, format, eval_fraction)
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    explicit = eval_documents is not None
     try:
-        tok = make_tokenizer(tokenizer, tmp, train, vocab_size)
+        if tokenizer == "sentencepiece" and not isinstance(documents, Sequence):
+            documents = list(documents)  # read twice: a sample to train on, then all of it
+        train = (t for t in documents if explicit or not is_eval_document(t, eval_fraction))
+        tok = make_tokenizer(tokenizer, staging, train, vocab_size, sample_sentences)
+        recipe = _recipe(tok, format, eval_fraction, explicit, num_shards, max_record_tokens)
+        sources: list[Source] = [(documents, "train" if explicit else None)]
+        if eval_documents is not None:
+            sources.append((eval_documents, "eval"))
+        total = len(documents) if isinstance(documents, Sized) else None
+        bar = tqdm(total=total, unit="doc", desc=f"tokenizing {output.name}", disable=not progress)
+        write_group(
+            group_folder(staging, 0), sources, recipe, tok, last_group=True, on_document=bar.update
+        )
+        bar.close()
+        finish(staging, output, 1, recipe, tok, overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    dtype = token_dtype(tok.vocab_size)
-    splits = {}
-    for name, texts in (("train", train), ("eval", held_out)):
-        if not texts:
-            continue
-        desc = f"tokenizing {output.name} {name}"
-        bar = tqdm(total=len(texts), unit="doc", desc=desc, disable=not progress)
-        records = _records(texts, tok, max_record_tokens, bar)
-        shards = WRITERS[format](records, tmp, name, min(num_shards, len(texts)), dtype)
-        splits[name] = {
-            "documents": len(texts),
-            "records": sum(s["records"] for s in shards),
-            "tokens": sum(s["tokens"] for s in shards),
-            "shards": shards,
-        }
-    info = {
-        "format": format,
-        "tokenizer": tok.spec(),
-        "vocab_size": tok.vocab_size,
-        "token_dtype": dtype.str,
-        "max_record_tokens": max_record_tokens,
-        "splits": splits,
-    }
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
-    _publish(tmp, output, overwrite)
     return output
 
 
-def _records(texts: list[str], tok: Tokenizer, max_record_tokens: int, bar: tqdm) -> Iterator:
-    """Token arrays of at least 2 tokens (one next-token pair), long documents cut. Documents
-    are encoded a batch at a time, which a SentencePiece model spreads over every core."""
-    for start in range(0, len(texts), ENCODE_BATCH):
-        batch = texts[start : start + ENCODE_BATCH]
-        for tokens in tok.encode_batch(batch):
-            for piece in split_long(tokens, max_record_tokens):
-                if len(piece) >= 2:
-                    yield piece
-        bar.update(len(batch))
-    bar.close()
+def prepare_files(
+    inputs: list[str],
+    output_dir: str | Path,
+    *,
+    eval_inputs: list[str] | None = None,
+    text_field: str = "text",
+    eval_fraction: float = 0.01,
+    tokenizer: str = "byte",
+    vocab_size: int | None = None,
+    num_shards: int = 4,
+    format: str = "arrayrecord",
+    max_record_tokens: int = DEFAULT_MAX_RECORD_TOKENS,
+    overwrite: bool = False,
+    progress: bool = True,
+    workers: int | None = None,
+    group_mb: float = DEFAULT_GROUP_MB,
+    sample_sentences: int = TRAINING_SENTENCES,
+    num_parts: int = 1,
+    part: int = 0,
+    merge: bool = False,
+) -> Path | None:
+    """Prepare the files the `inputs` globs match, streaming, on `workers` processes, resuming
+    finished groups; with `num_parts > 1` only part `part` of them. Returns the dataset folder
+    once it is complete, or None while other parts still have groups to write."""
+    output = Path(output_dir)
+    staging = output.with_name(f".{output.name}.partial")
+    if merge and (output / INFO_FILE).exists() and not staging.exists():
+        return output  # the last part to finish merged already
+    files = input_files(inputs)
+    _check_options(output, overwrite, format, eval_fraction)
+    if num_parts < 1 or not 0 <= part < num_parts:
+        raise DataError(f"--part {part} is not in 0..{num_parts - 1} (--num-parts {num_parts})")
+    eval_files = input_files(eval_inputs, "--eval-input") if eval_inputs else []
+    groups = plan_groups(files, eval_files, max(1, int(group_mb * 2**20)))
+    explicit = bool(eval_files)
+    options = {
+        "eval_fraction": eval_fraction,
+        "explicit_eval": explicit,
+        "tokenizer": tokenizer,
+        "vocab_size": vocab_size,
+        "sample_sentences": sample_sentences,
+        "num_shards": num_shards,
+        "format": format,
+        "max_record_tokens": max_record_tokens,
+        "text_field": text_field,
+    }
+    sizes = {str(f): f.stat().st_size for f in [*files, *eval_files]}
+    plan = json.loads(json.dumps({"options": options, "sizes": sizes, "groups": groups}))
+    open_staging(staging, plan, shared=num_parts > 1 or merge)
+
+    def is_train(text: str) -> bool:
+        return explicit or not is_eval_document(text, eval_fraction)
+
+    def sample() -> Iterable[str]:
+        pieces = [p for group in groups for p in group]
+        return sample_lines(pieces, sample_sentences, text_field, is_train)
+
+    tok = staged_tokenizer(staging, tokenizer, vocab_size, sample, sample_sentences)
+    recipe = _recipe(tok, format, eval_fraction, explicit, num_shards, max_record_tokens)
+    recipe = replace(recipe, text_field=text_field)
+    count = len(groups)
+    mine = [] if merge else list(part_groups(count, num_parts, part))
+    pending = [i for i in mine if finished(staging, i) is None]
+    run_groups(staging, groups, pending, recipe, workers, progress, output.name)
+    unfinished = [i for i in range(count) if finished(staging, i) is None]
+    if unfinished:
+        if merge:
+            parts = sorted({part_of(i, count, num_parts) for i in unfinished})
+            raise DataError(
+                f"cannot merge {output}: parts {parts} of --num-parts {num_parts} have not "
+                "finished; run them (a re-run resumes), then --merge again"
+            )
+        return None
+    if not take_merge_lock(staging, force=merge or num_parts == 1):
+        return None
+    finish(staging, output, count, recipe, tok, overwrite)
+    return output
 
 
-def _publish(tmp: Path, output: Path, overwrite: bool) -> None:
-    """Move the finished folder into place; a concurrent winner is kept, not clobbered."""
-    if output.exists():
-        if overwrite:
-            shutil.rmtree(output)
-        elif (output / INFO_FILE).exists():
-            shutil.rmtree(tmp)  # someone else finished the same dataset first
-            return
-        else:
-            shutil.rmtree(output)  # leftovers of an older, interrupted layout
-    output.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, output)
+def _check_options(output: Path, overwrite: bool, format: str, eval_fraction: float) -> None:
+    if (output / INFO_FILE).exists() and not overwrite:
+        raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
+    if format not in FORMATS:
+        raise DataError(f"--format {format} is unknown; use one of {', '.join(FORMATS)}")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction={eval_fraction} must be in [0, 1)")
+
+
+def _recipe(
+    tok: Tokenizer,
+    format: str,
+    eval_fraction: float,
+    explicit: bool,
+    num_shards: int,
+    max_record_tokens: int,
+) -> Recipe:
+    model = getattr(tok, "model_file", None)  # SentencePiece's .model, or a tokenizer.json
+    return Recipe(
+        format=format,
+        eval_fraction=eval_fraction,
+        explicit_eval=explicit,
+        num_shards=num_shards,
+        max_record_tokens=max_record_tokens,
+        token_dtype=token_dtype(tok.vocab_size).str,
+        tokenizer_file=None if model is None else str(model),
+    )
 
 
 # ----------------------------------------------------------------------------- CLI
-
-
-def read_documents(patterns: list[str], text_field: str = "text") -> list[str]:
-    """Documents from `.txt` files (one each), `.jsonl` files (a `text_field` per line) and
-    `.parquet` files (a `text_field` column)."""
-    files = sorted({f for pattern in patterns for f in glob.glob(pattern, recursive=True)})
-    if not files:
-        raise DataError(f"--input {' '.join(patterns)} matches no file; check the path or quoting")
-    docs = []
-    for name in files:
-        path = Path(name)
-        if path.suffix == ".jsonl":
-            docs.extend(_jsonl_texts(path, text_field))
-        elif path.suffix == ".parquet":
-            docs.extend(_parquet_texts(path, text_field))
-        elif path.suffix in (".txt", ".py", ".md", ""):
-            docs.append(path.read_text(encoding="utf-8", errors="replace"))
-        else:
-            raise DataError(
-                f"{path}: unsupported input type {path.suffix}; use .txt, .jsonl or .parquet"
-            )
-    return docs
-
-
-def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(
-                    f"{path}:{number} is not a JSON object with a {text_field!r} field; "
-                    "name the field with --text-field"
-                ) from None
-            yield text
-
-
-def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
-    """The text column, read a row group at a time so a large file never sits in memory twice."""
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError family
-        raise DataError(f"{path} is not a readable parquet file ({err})") from None
-    columns = table.schema_arrow.names
-    if text_field not in columns:
-        raise DataError(
-            f"{path} has no column {text_field!r} (columns: {', '.join(columns)}); name the "
-            "text column with --text-field"
-        )
-    for batch in table.iter_batches(columns=[text_field]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,35 +241,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokenizer",
         default="byte",
-        help="byte (default), sentencepiece (trained here; needs --vocab-size) or PATH.model",
+        help="byte (default), sentencepiece (trained here; needs --vocab-size), PATH.model, "
+        "or hf:PATH (a Hugging Face folder's tokenizer.json)",
     )
     parser.add_argument("--vocab-size", type=int, help="pieces of a trained SentencePiece model")
     parser.add_argument(
+        "--tokenizer-sample-sentences",
+        type=int,
+        default=TRAINING_SENTENCES,
+        help=f"lines of training text SentencePiece learns from (default {TRAINING_SENTENCES:,})",
+    )
+    parser.add_argument(
         "--text-field", default="text", help="JSON field / parquet column holding the text"
     )
-    parser.add_argument("--format", default="arrayrecord", choices=list(WRITERS))
-    parser.add_argument("--num-shards", type=int, default=4)
+    parser.add_argument("--format", default="arrayrecord", choices=list(FORMATS))
+    parser.add_argument("--num-shards", type=int, default=4, help="shards per group and split")
     parser.add_argument("--max-record-tokens", type=int, default=DEFAULT_MAX_RECORD_TOKENS)
+    parser.add_argument("--workers", type=int, help="tokenizing processes (default: every core)")
+    parser.add_argument(
+        "--group-mb", type=float, default=DEFAULT_GROUP_MB, help="input per resumable group"
+    )
+    parser.add_argument("--num-parts", type=int, default=1, help="hosts preparing together")
+    parser.add_argument("--part", type=int, default=0, help="this host's part, 0..N-1")
+    parser.add_argument(
+        "--merge", action="store_true", help="write dataset.json once every part has finished"
+    )
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        out = prepare_dataset(
-            read_documents(args.input, args.text_field),
+        out = prepare_files(
+            args.input,
             args.output,
+            eval_inputs=args.eval_input,
+            text_field=args.text_field,
             eval_fraction=args.eval_fraction,
-            eval_documents=(
-                read_documents(args.eval_input, args.text_field) if args.eval_input else None
-            ),
             tokenizer=args.tokenizer,
             vocab_size=args.vocab_size,
             num_shards=args.num_shards,
             format=args.format,
             max_record_tokens=args.max_record_tokens,
             overwrite=args.overwrite,
+            progress=not args.no_progress,
+            workers=args.workers,
+            group_mb=args.group_mb,
+            sample_sentences=args.tokenizer_sample_sentences,
+            num_parts=args.num_parts,
+            part=args.part,
+            merge=args.merge,
         )
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if out is None:
+        print(
+            f"part {args.part} of {args.num_parts} done; the last part to finish (or --merge) "
+            f"writes {args.output}",
+            file=sys.stderr,
+        )
+        return 0
     info = json.loads((out / INFO_FILE).read_text())
     for name, split in info["splits"].items():
         print(

@@ -79,6 +79,59 @@ def write_shards(
     )
 
 
+Codec = tuple[Callable[[str], Any], Callable[[np.ndarray], bytes]]  # open a shard; encode
+
+
+def arrayrecord_codec(dtype: np.dtype) -> Codec:
+    """How `ShardSet` opens an ArrayRecord shard and encodes a record (raw token bytes)."""
+    return (
+        lambda path: ArrayRecordWriter(path, WRITER_OPTIONS),
+        lambda tokens: np.asarray(tokens, dtype=dtype).tobytes(),
+    )
+
+
+class ShardSet:
+    """Records streamed round-robin over at most `num_shards` files `{prefix}-{i:05d}`, each
+    opened when its first record arrives, so a small split gets no empty shard and memory does
+    not grow with the data."""
+
+    def __init__(
+        self,
+        folder: Path,
+        prefix: str,
+        num_shards: int,
+        codec: Codec,
+    ):
+        self.folder, self.prefix, self.num_shards = folder, prefix, max(1, num_shards)
+        self._open_writer, self._encode = codec
+        self._writers: list[Any] = []
+        self._counts: list[list[int]] = []  # records, tokens per shard
+        self.records = 0
+
+    def name(self, index: int) -> str:
+        return f"{self.prefix}-{index:05d}"
+
+    def write(self, tokens: np.ndarray) -> None:
+        shard = self.records % self.num_shards
+        if shard == len(self._writers):
+            self._writers.append(self._open_writer(str(self.folder / self.name(shard))))
+            self._counts.append([0, 0])
+        self._writers[shard].write(self._encode(tokens))
+        self._counts[shard][0] += 1
+        self._counts[shard][1] += len(tokens)
+        self.records += 1
+
+    def close(self) -> list[dict[str, Any]]:
+        """Close every file; per-shard counts and SHA-256, in shard order."""
+        for writer in self._writers:
+            writer.close()
+        names = [self.name(i) for i in range(len(self._counts))]
+        return [
+            {"file": name, "records": r, "tokens": t, "sha256": sha256_of(self.folder / name)}
+            for name, (r, t) in zip(names, self._counts, strict=True)
+        ]
+
+
 class DecodeRecord(grain.transforms.Map):
     """Record bytes -> aligned next-token pairs, so packing never pairs tokens across documents.
     The pairs are views of the stored tokens (uint8, uint16 or uint32), not int32 copies: packing
@@ -199,6 +252,54 @@ def count_skipped(skip_log: Path) -> int:
     except FileNotFoundError:
         return 0
     return len({line for line in lines if line.endswith("}")})
+
+
+class MemorySource:
+    """A split's records held in RAM (`data.cache=memory`): one bytes buffer plus offsets, read
+    once from a `CheckedSource` after the checksums were verified; the same random-access
+    interface, so every epoch is served without touching the (slow or shared) storage."""
+
+    def __init__(self, source: CheckedSource, block: int = 4096):
+        parts, lengths, missing = [], [], []
+        for start in range(0, len(source), block):
+            stop = min(start + block, len(source))
+            for i, record in enumerate(source.read_many(range(start, stop))):
+                if record is None:  # data.skip_corrupt: keep the index, served as None
+                    missing.append(start + i)
+                    record = b""
+                parts.append(record)
+                lengths.append(len(record))
+        self.buffer = b"".join(parts)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        self.missing = frozenset(missing)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> bytes | None:
+        if index in self.missing:
+            return None
+        return self.buffer[self.offsets[index] : self.offsets[index + 1]]
+
+    def read_many(self, indices: Sequence[int]) -> list[bytes | None]:
+        return [self[int(i)] for i in indices]
+
+
+def memory_needed(num_records: int, num_tokens: int, dtype: str) -> int:
+    """Bytes a split takes in `MemorySource`: its tokens plus one offset per record (while it is
+    joined from its records, twice that)."""
+    return num_tokens * np.dtype(dtype).itemsize + 8 * (num_records + 1)
+
+
+def available_memory() -> int:
+    """Bytes this host can still allocate without swapping (`MemAvailable`)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _corrupt_message(path: str, err: Exception) -> str:

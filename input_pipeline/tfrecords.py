@@ -26,7 +26,7 @@ import numpy as np
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
-from input_pipeline.records import write_round_robin
+from input_pipeline.records import Codec, write_round_robin
 
 FEATURE = "tokens"
 READERS = ("auto", "grain", "tfdata")
@@ -50,11 +50,8 @@ def shard_name(split: str, index: int, count: int) -> str:
     return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
 
 
-def write_shards(
-    records: Iterable[np.ndarray], folder: Path, split: str, num_shards: int, dtype: np.dtype
-) -> list[dict[str, Any]]:
-    """Write records round-robin over `num_shards` TFRecord files (as `records.write_shards`
-    does for ArrayRecord); return per-shard counts and hashes."""
+def tfrecord_codec(dtype: np.dtype) -> Codec:
+    """How a TFRecord shard is opened and a record encoded (one `tf.train.Example`)."""
     tf = tensorflow()
 
     def encode(tokens: np.ndarray) -> bytes:
@@ -62,8 +59,17 @@ def write_shards(
         feature = {FEATURE: tf.train.Feature(int64_list=values)}
         return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
+    return tf.io.TFRecordWriter, encode
+
+
+def write_shards(
+    records: Iterable[np.ndarray], folder: Path, split: str, num_shards: int, dtype: np.dtype
+) -> list[dict[str, Any]]:
+    """Write records round-robin over `num_shards` TFRecord files (as `records.write_shards`
+    does for ArrayRecord); return per-shard counts and hashes."""
+    open_writer, encode = tfrecord_codec(dtype)
     names = [shard_name(split, i, num_shards) for i in range(num_shards)]
-    return write_round_robin(records, folder, names, tf.io.TFRecordWriter, encode)
+    return write_round_robin(records, folder, names, open_writer, encode)
 
 
 def host_shards(info: DatasetInfo, split: str, process_index: int, process_count: int) -> list:

@@ -2,16 +2,18 @@
 
 `byte` needs nothing. `sentencepiece` is trained offline on the input text (or an existing
 `.model` file is used) and its model file is stored beside the shards, so the dataset folder
-alone is enough to decode what a model generates.
+alone is enough to decode what a model generates. `hf:PATH` copies a Hugging Face folder's
+`tokenizer.json` the same way and runs it with the `tokenizers` library, offline.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,10 +22,14 @@ import numpy as np
 from input_pipeline.errors import DataError
 
 SENTENCEPIECE_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"  # `--tokenizer hf:PATH`: a Hugging Face model folder's
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_PREFIX = "hf:"
 # Byte fallback needs 256 byte pieces plus <unk>, <s>, </s>; fewer leaves no room for merges.
 MIN_SENTENCEPIECE_VOCAB = 260
-# Lines sampled for training: enough for a good vocabulary, bounded memory on any corpus.
-TRAINING_SENTENCES = 2_000_000
+# Lines sampled for training (`--tokenizer-sample-sentences`): enough for a good vocabulary,
+# bounded memory and time on any corpus.
+TRAINING_SENTENCES = 1_000_000
 
 
 class Tokenizer(Protocol):
@@ -63,7 +69,7 @@ class SentencePieceTokenizer:
 
     name = "sentencepiece"
 
-    def __init__(self, model_file: str | Path):
+    def __init__(self, model_file: str | Path, threads: int | None = None):
         import sentencepiece as spm
 
         self.model_file = Path(model_file)
@@ -75,7 +81,7 @@ class SentencePieceTokenizer:
                 "file written by SentencePiece, or --tokenizer sentencepiece to train one"
             ) from None
         self.vocab_size = int(self._sp.vocab_size())
-        self._threads = os.cpu_count() or 1
+        self._threads = threads or os.cpu_count() or 1  # fewer per process in a pool
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text), dtype=np.int64)
@@ -88,26 +94,73 @@ class SentencePieceTokenizer:
         return self._sp.decode(np.asarray(ids).tolist())
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "kind": self.name,
-            "vocab_size": self.vocab_size,
-            "model": self.model_file.name,
-            "sha256": hashlib.sha256(self.model_file.read_bytes()).hexdigest(),
-        }
+        return model_file_spec(self.name, self.vocab_size, self.model_file)
 
 
-def _training_lines(documents: Iterable[str]) -> Iterator[str]:
-    """SentencePiece learns from lines; blank lines carry nothing to learn."""
-    for document in documents:
-        for line in document.splitlines():
-            if line.strip():
-                yield line
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` run by the `tokenizers` library (fully offline); special
+    tokens its post-processor adds (a Llama BOS) are kept, as `transformers` adds them."""
+
+    name = "hf"
+
+    def __init__(self, tokenizer_file: str | Path):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.model_file = Path(tokenizer_file)
+        try:
+            self._tok = RustTokenizer.from_file(str(self.model_file))
+        except Exception as err:  # the library raises its own untyped exceptions
+            raise DataError(
+                f"{self.model_file} is not a readable Hugging Face tokenizer.json ({err})"
+            ) from None
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
+
+    def _special_id(self, role: str) -> int | None:
+        """An id named in the tokenizer_config.json beside tokenizer.json, if any."""
+        config_file = self.model_file.with_name(HF_TOKENIZER_CONFIG)
+        if not config_file.is_file():
+            return None
+        token = json.loads(config_file.read_text()).get(role)
+        token = token.get("content") if isinstance(token, dict) else token
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
+
+    def spec(self) -> dict[str, Any]:
+        return model_file_spec(self.name, self.vocab_size, self.model_file)
 
 
-def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_file: Path) -> Path:
+def copy_hf_tokenizer(source: str | Path, folder: Path) -> HFTokenizer:
+    """`source`'s tokenizer.json (and tokenizer_config.json) copied into `folder`."""
+    source = Path(source)
+    if not (source / HF_TOKENIZER_FILE).is_file():
+        raise DataError(f"--tokenizer hf:{source}: no {HF_TOKENIZER_FILE} in that folder")
+    for name in (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, folder / name)
+    return HFTokenizer(folder / HF_TOKENIZER_FILE)
+
+
+def train_sentencepiece(
+    documents: Iterable[str],
+    vocab_size: int,
+    model_file: Path,
+    sample_sentences: int = TRAINING_SENTENCES,
+) -> Path:
     """Train a lossless BPE model (identity normalization, byte fallback, whitespace kept), as
-    modern decoder LMs use, and write it to `model_file`."""
+    modern decoder LMs use, on the first `sample_sentences` non-blank lines of `documents` (a
+    caller passes a sample of its corpus), and write it to `model_file`."""
     import sentencepiece as spm
+
+    from input_pipeline.documents import nonblank_lines
 
     if vocab_size < MIN_SENTENCEPIECE_VOCAB:
         raise DataError(
@@ -117,7 +170,7 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_file: P
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(documents),
+            sentence_iterator=nonblank_lines(documents, sample_sentences),
             model_writer=model,
             vocab_size=vocab_size,
             model_type="bpe",
@@ -127,7 +180,7 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_file: P
             split_digits=True,
             allow_whitespace_only_pieces=True,
             character_coverage=0.9995,
-            input_sentence_size=TRAINING_SENTENCES,
+            input_sentence_size=sample_sentences,
             shuffle_input_sentence=True,
             max_sentence_length=1 << 16,
             num_threads=os.cpu_count() or 1,
@@ -143,24 +196,33 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_file: P
 
 
 def make_tokenizer(
-    choice: str, folder: Path, documents: Iterable[str] = (), vocab_size: int | None = None
+    choice: str,
+    folder: Path,
+    documents: Iterable[str] = (),
+    vocab_size: int | None = None,
+    sample_sentences: int = TRAINING_SENTENCES,
 ) -> Tokenizer:
-    """The tokenizer a `prepare` run asked for (`byte`, `sentencepiece`, or a `.model` path);
-    a SentencePiece model is trained or copied into `folder`, which holds the new dataset."""
+    """The tokenizer a `prepare` run asked for (`byte`, `sentencepiece`, a `.model` path, or
+    `hf:PATH`); its model file is trained or copied into `folder`, which holds the new dataset."""
     if choice == "byte":
         return ByteTokenizer()
+    if choice.startswith(HF_PREFIX):
+        return copy_hf_tokenizer(choice[len(HF_PREFIX) :], folder)
     target = folder / SENTENCEPIECE_FILE
     if choice == "sentencepiece":
         if not vocab_size:
             raise DataError("--tokenizer sentencepiece needs --vocab-size N (e.g. 32000)")
-        return SentencePieceTokenizer(train_sentencepiece(documents, vocab_size, target))
+        return SentencePieceTokenizer(
+            train_sentencepiece(documents, vocab_size, target, sample_sentences)
+        )
     if choice.endswith(".model"):
         if not Path(choice).is_file():
             raise DataError(f"--tokenizer {choice}: no such SentencePiece model file")
         shutil.copyfile(choice, target)
         return SentencePieceTokenizer(target)
     raise DataError(
-        f"--tokenizer {choice!r} is unknown; use byte, sentencepiece, or a path to a .model file"
+        f"--tokenizer {choice!r} is unknown; use byte, sentencepiece, a path to a .model file, "
+        "or hf:PATH (a Hugging Face model folder)"
     )
 
 
@@ -171,4 +233,16 @@ def get_tokenizer(spec: dict[str, Any] | str, folder: str | Path | None = None) 
         return ByteTokenizer()
     if kind == "sentencepiece" and isinstance(spec, dict) and folder is not None:
         return SentencePieceTokenizer(Path(folder) / spec.get("model", SENTENCEPIECE_FILE))
-    raise DataError(f"unknown tokenizer {kind!r}; this version supports byte and sentencepiece")
+    if kind == HFTokenizer.name and isinstance(spec, dict) and folder is not None:
+        return HFTokenizer(Path(folder) / spec.get("model", HF_TOKENIZER_FILE))
+    raise DataError(f"unknown tokenizer {kind!r}; this version supports byte, sentencepiece and hf")
+
+
+def model_file_spec(kind: str, vocab_size: int, model_file: Path) -> dict[str, Any]:
+    """What `dataset.json` records of a tokenizer kept as a file: the file's name and hash."""
+    return {
+        "kind": kind,
+        "vocab_size": vocab_size,
+        "model": model_file.name,
+        "sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
+    }

@@ -5,6 +5,7 @@ Losses are compared at `RTOL` relative: float32 compute, and the only difference
 is the order in which the cross-process all-reduce adds the gradients (seen: ~1e-7).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from trainer.config import load_config
 from trainer.distributed import ClusterSpec, cluster_from_env
 from trainer.errors import ConfigError
 from trainer.train import run
+from trainer.watchdog import EXIT_STUCK
 
 RTOL = 1e-5
 STEPS = 6
@@ -127,6 +129,12 @@ def cpu_env(**extra: str) -> dict[str, str]:
     )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return {**env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def launched_pids(log: Path) -> list[int]:
+    """The process ids launch/local.sh announced in its log."""
+    started = re.search(r"\d+ processes \(([\d ]+)\)", log.read_text())
+    return [int(pid) for pid in started[1].split()] if started else []
 
 
 def wait_for(done: Callable[[], bool], procs, logs: list[Path], timeout: float) -> None:
@@ -252,6 +260,58 @@ def test_killed_process_stops_its_peer_and_the_rerun_resumes(
     assert kept and {s: after[s] for s in kept} == {s: before[s] for s in kept}
     redone = [s for s in (latest + 1, latest + 2) if s in before]
     np.testing.assert_allclose([after[s] for s in redone], [before[s] for s in redone], RTOL)
+
+
+@pytest.mark.slow
+def test_a_stopped_peer_trips_the_watchdog_and_the_rerun_resumes(
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, capsys
+):
+    """launch/local.sh 2 resumes the baseline's step 3; process 1 is SIGSTOPped (alive but stuck,
+    as in a hung collective: its heartbeats stop only because the test stops it whole, so the
+    heartbeat timeout is raised above the step timeout). Process 0's watchdog writes its stacks
+    and exits, the launcher kills the stopped one, and the rerun ends on the clean run's losses."""
+    timeout_s, heartbeat_s = 10, 60
+    workdir, log_path = tmp_path / "stuck", tmp_path / "local.log"
+    copy_checkpoint(baseline, 3, workdir)
+    cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
+    cmd += run_args(corpus, workdir, "run.steps=1000", "eval.every=1000", "checkpoint.every=1000")
+    cmd += [f"run.step_timeout_s={timeout_s}"]
+    env = cpu_env(
+        **compile_cache(tmp_path_factory),
+        JAX_HEARTBEAT_TIMEOUT_S=str(heartbeat_s),
+        LOCAL_KILL_GRACE_S="2",
+    )
+    with log_path.open("w") as log:
+        launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
+    try:
+        wait_for(lambda: max(losses_of(workdir), default=0) >= 5, [launcher], [log_path], 300)
+        os.kill(launched_pids(log_path)[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        status = launcher.wait(timeout=timeout_s + heartbeat_s + 60)
+        took = time.monotonic() - stopped_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+            for pid in launched_pids(log_path):  # a killed launcher leaves them behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    log = log_path.read_text()
+    with capsys.disabled():
+        print(f"\nlauncher exited with status {status} {took:.1f} s after a peer was stopped")
+    assert status == EXIT_STUCK, log[-3000:]
+    assert took < timeout_s + heartbeat_s
+    [line] = [x for x in log.splitlines() if x.startswith("error: watchdog (process 0 of 2)")]
+    assert f"(limit {timeout_s} s, run.step_timeout_s)" in line
+    assert "most recent call first" in log, "the stuck process's Python stacks"
+    assert "process 1" not in line
+
+    # The rerun (one process here) resumes from step 3 and ends on the clean run's losses.
+    capsys.readouterr()
+    train_in_process(repo_root, corpus, workdir)
+    assert "(step 3)" in capsys.readouterr().err
+    assert sorted(losses_of(workdir)) == [4, 5, 6], "no duplicated or missing metrics lines"
+    assert_losses_match(workdir, baseline, range(4, STEPS + 1))
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -5,20 +5,31 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
+import json
+import logging
 import shutil
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from input_pipeline import checkpointing as data_checkpointing
+from input_pipeline.errors import DataError
 from trainer.config import CheckpointConfig
-from trainer.errors import TrainingError
+from trainer.errors import ConfigError, TrainingError
 from trainer.state import TrainState
+
+T = TypeVar("T")
+
+
+class DamagedCheckpointError(Exception):
+    """A step folder that is incomplete in a way Orbax itself does not notice."""
 
 
 def _train_part(state: TrainState) -> dict[str, Any]:
@@ -40,7 +51,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, config: CheckpointConfig, create: bool = True):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
+        self.read_only = not create  # another run's folder (init_from, export): never moved
+        self.options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             keep_period=config.keep_every,  # steps divisible by it are never deleted
             enable_async_checkpointing=config.async_,
@@ -49,12 +61,17 @@ class Checkpointer:
             cleanup_tmp_directories=create,  # partial saves of a killed run are removed
         )
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
+            self.manager = self._open_manager()
         except OSError as err:
             raise TrainingError(
                 f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
                 "choose a writable run.workdir"
             ) from None
+
+    def _open_manager(self) -> ocp.CheckpointManager:
+        """A fresh manager: it caches the step list and, after one restore, the item layout."""
+        with _quiet_orbax():  # it logs each unreadable step metadata file it lists
+            return ocp.CheckpointManager(self.directory, options=self.options)
 
     @classmethod
     def open_existing(cls, path: str | Path) -> tuple[Checkpointer, int]:
@@ -66,12 +83,83 @@ class Checkpointer:
         checkpointer = cls(folder, CheckpointConfig(), create=False)
         step = checkpointer.latest_step()
         if step is None:
+            checkpointer.close()
             raise TrainingError(f"{folder} holds no complete checkpoint; pick another run")
         return checkpointer, step
 
     def latest_step(self) -> int | None:
         """Latest *complete* step: Orbax only lists finalized step folders."""
         return self.manager.latest_step()
+
+    def damaged(self) -> list[str]:
+        """Step folders moved aside by an earlier restore: a run never starts afresh over them."""
+        return sorted(p.name for p in self.directory.glob("*.damaged*"))
+
+    def restore_newest(
+        self,
+        restore: Callable[[int], T],
+        steps: list[int] | None = None,
+        advice: str = "start fresh with another run.workdir, or repair them (rename a repaired "
+        "one back to its step number) and re-run",
+    ) -> tuple[int, T]:
+        """`(step, restore(step))` for the newest of `steps` (default: all) that restores
+        completely. One that fails is named in one warning line and, in the run's own folder,
+        moved aside to `<step>.damaged` (never deleted); then the next older one is tried."""
+        for step in sorted(self.manager.all_steps() if steps is None else steps, reverse=True):
+            value, reason = self._try_restore(restore, step)
+            if reason is None:
+                return step, value
+            outcome = self._set_aside(step)
+            _warn(
+                f"warning: checkpoint {self.directory / str(step)} does not restore ({reason}); "
+                f"{outcome}"
+            )
+        kept = self.damaged()
+        aside = f" (damaged ones moved aside: {', '.join(kept)})" if kept else ""
+        raise TrainingError(f"no checkpoint in {self.directory} restores{aside}; {advice}")
+
+    def _try_restore(self, restore: Callable[[int], T], step: int) -> tuple[T | None, str | None]:
+        """The restored value, or the reason it failed: the first line of the error, agreed by
+        every process (a damage only some processes read is a damage for all)."""
+        value, reason = None, None
+        with _quiet_orbax():
+            try:
+                value = restore(step)
+            except (ConfigError, DataError, TrainingError, MemoryError):
+                raise  # the user's mistake (another model, process count) or the host's
+            except Exception as err:
+                reason = _first_line(err)
+            if reason is not None:
+                gc.collect()  # Orbax's abandoned read coroutines: closed here, silently
+        if not _on_every_process(reason is None):
+            reason = reason or "it failed to restore on another process"
+        return value, reason
+
+    def _set_aside(self, step: int) -> str:
+        """Rename a damaged step folder (process 0), so the next run does not retry it."""
+        folder = self.directory / str(step)
+        self.manager.close()  # a new manager: the old one caches the step list and item layout
+        if self.read_only:
+            self.manager = self._open_manager()
+            return "left in place (another run's folder); trying the previous one"
+        target, n = folder.with_name(f"{step}.damaged"), 0
+        while target.exists():
+            n += 1
+            target = folder.with_name(f"{step}.damaged.{n}")
+        problem = None
+        if jax.process_index() == 0:
+            try:
+                folder.rename(target)
+            except OSError as err:
+                problem = err.strerror
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+        self.manager = self._open_manager()
+        if problem:
+            return f"could not move it aside ({problem}); trying the previous one"
+        return f"moved it to {target.name}; trying the previous one"
 
     def save(
         self, step: int, state: TrainState, data_state: dict | None, meta: dict[str, Any]
@@ -132,6 +220,7 @@ class Checkpointer:
             ) from None
 
     def read_meta(self, step: int) -> dict[str, Any]:
+        """The run's metadata saved with `step` (config, dataset fingerprint, shapes)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return restored.meta
 
@@ -153,8 +242,11 @@ class Checkpointer:
             opt_state=train["opt_state"],
             loss_scale=train.get("loss_scale"),
         )
+        data_folder = self.directory / str(step) / "data"
+        if not any(data_folder.glob("process_*-of-*.json")):  # Grain's handler wrote none
+            raise DamagedCheckpointError("its data/ item holds no data position")
         data_state = data_checkpointing.restore_position(
-            self.directory / str(step) / "data", jax.process_index(), jax.process_count()
+            data_folder, jax.process_index(), jax.process_count()
         )
         return state, data_state
 
@@ -205,3 +297,51 @@ def _size(nbytes: int) -> str:
 
 def _mentions(text: str, phrases: tuple[str, ...]) -> bool:
     return any(phrase in text for phrase in phrases)
+
+
+def _first_line(err: BaseException, limit: int = 240) -> str:
+    """The innermost cause as one short line: Orbax wraps TensorStore's error (`OUT_OF_RANGE:
+    Error reading ...`) in a generic one whose text runs to a hundred lines."""
+    for _ in range(20):
+        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        if inner is None:
+            break
+        err = inner
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    if isinstance(err, json.JSONDecodeError):
+        text = f"invalid JSON: {text}"
+    line = (text.strip().splitlines() or [""])[0].strip() or type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _warn(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _on_every_process(ok: bool) -> bool:
+    """True when `ok` holds on every process, so all pick the same checkpoint."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array(int(ok), dtype=np.int32))
+    return bool(np.all(flags))
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax logs a failed read from its own threads (absl errors, asyncio tracebacks), and its
+    read coroutines, abandoned, print "Exception ignored" tracebacks when collected; the caller
+    reports the failure in one line instead."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    unraisable, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:
+        yield
+    finally:
+        sys.unraisablehook = unraisable
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

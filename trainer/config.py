@@ -25,11 +25,25 @@ class RunConfig(_Section):
     workdir: str = "workdirs/run"
     seed: int = 0
     steps: int = Field(1000, ge=1)
+    # Seconds a step (or its data wait, eval, save) may take before the process dumps its stacks
+    # and exits 3 (trainer/watchdog.py); the first step (compiling) gets at least 15 minutes.
+    # None: 10x the median of the first steps, at least 300 s (15 minutes for evals and saves)
+    step_timeout_s: float | None = Field(None, gt=0)
+
+
+class MixtureSource(_Section):
+    path: str  # a prepared dataset folder (or a built-in corpus name)
+    weight: float = Field(gt=0)  # share of the rows; weights need not sum to 1
+    name: str | None = None  # in metrics (`tokens_<name>`, `eval_loss_<name>`); default: folder
 
 
 class DataConfig(_Section):
     path: str = "python-stdlib"
-    cache_dir: str | None = None
+    # Several prepared datasets blended by weight (replaces `path`); they share one tokenizer.
+    mixture: list[MixtureSource] | None = None
+    cache_dir: str | None = None  # where built-in corpora are prepared
+    # memory: every shard read into RAM once (after its checksum check) and served from there
+    cache: Literal["none", "memory"] = "none"
     seq_len: int = Field(256, ge=2)
     global_batch_size: int = Field(32, ge=1)
     packing: Literal["concat", "first_fit"] = "concat"
@@ -55,11 +69,19 @@ class ModelConfig(_Section):
     vocab_size: int | None = Field(None, ge=2)
     max_seq_len: int | None = Field(None, ge=2)
     rope_theta: float = Field(10000.0, gt=0)
+    # Llama 3 / Mistral checkpoints need these to match exactly (trainer/hf/config.py reads them
+    # from a Hugging Face config.json); the defaults keep earlier runs bit-identical
+    norm_eps: float = Field(1e-6, gt=0)
+    head_dim: int | None = Field(None, ge=2)  # None: d_model // num_heads
+    # None, or {type: linear, factor} or {type: llama3, factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings}: rotary frequencies rescaled
+    rope_scaling: dict[str, Any] | None = None
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_embeddings: bool = False
     remat: Literal["none", "full", "save_dots"] = "none"
     # false: a Python loop over the layers (compile time grows with depth; for shallow models
-    # on CPU, where the scan's stacked residual buffers and per-layer slicing cost ~15% a step)
+    # on CPU, where the scan's stacked residual buffers and per-layer slicing cost time:
+    # BENCHMARKS.md, nanoGPT recipe)
     scan_layers: bool = True
     # auto: cuDNN flash attention on NVIDIA GPUs of compute capability 8.0+ with bf16 compute, for
     # rows of one document each (no segment ids); XLA otherwise (trainer/models/attention.py)
@@ -68,10 +90,10 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.d_model % self.num_heads:
+        if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.num_heads="
-                f"{self.num_heads}; pick d_model as a multiple of num_heads"
+                f"{self.num_heads}; pick d_model as a multiple of num_heads, or set model.head_dim"
             )
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
@@ -79,7 +101,35 @@ class ModelConfig(_Section):
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={kv}; "
                 "use a divisor of num_heads"
             )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"model.head_dim={self.head_dim} is odd; rotary needs an even size")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
         return self
+
+
+# Keys each `model.rope_scaling` type needs (as Hugging Face's config.json spells them).
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+}
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(
+            f"model.rope_scaling type {kind!r} is not supported; use one of "
+            f"{sorted(ROPE_SCALING_KEYS)} (or leave model.rope_scaling unset)"
+        )
+    missing = [key for key in ROPE_SCALING_KEYS[kind] if key not in scaling]
+    if missing:
+        raise ValueError(f"model.rope_scaling of type {kind} needs {', '.join(missing)}")
 
 
 class MeshConfig(_Section):
@@ -176,6 +226,10 @@ class LogConfig(_Section):
 class EvalConfig(_Section):
     every: int = Field(200, ge=1)
     steps: int = Field(20, ge=1)
+    # Prompts continued greedily at every eval (built-in transformer; printed, and written to
+    # <workdir>/samples.jsonl and TensorBoard), `sample_tokens` tokens each
+    sample_prompts: list[str] = Field(default_factory=list)
+    sample_tokens: int = Field(32, ge=1)
 
 
 class Config(_Section):
@@ -227,6 +281,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
     """Validate a nested dict (e.g. a saved `config.yaml`) into a `Config`."""
+    from trainer.hf.config import fill_model_section
+
+    tree = fill_model_section(tree)  # init_from=hf:PATH: unset model.* from its config.json
     try:
         return Config.model_validate(tree)
     except pydantic.ValidationError as err:

@@ -16,9 +16,9 @@ import jax
 from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
 from input_pipeline.errors import DataError
-from input_pipeline.pipeline import make_batch_iterator
+from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
-from input_pipeline.records import count_skipped
+from input_pipeline.records import MemorySource, available_memory, count_skipped, memory_needed
 from input_pipeline.streams import StreamBatches
 from trainer.config import Config
 from trainer.errors import ConfigError
@@ -35,6 +35,10 @@ class DataSources:
     fingerprint: str
     vocab_size: int | None = None
     skipped_records: Callable[[], int] | None = None  # unreadable records dropped so far
+    # a mixture: each source's weight and eval data (`eval_loss_<name>`), and its tokens so far
+    # from the data position of a step (`tokens_<name>`)
+    make_evals: dict[str, tuple[float, Callable[[], Iterable[dict[str, Any]]]]] | None = None
+    source_tokens: Callable[[Any], dict[str, float]] | None = None
 
 
 def stream_count(config: Config) -> int:
@@ -74,10 +78,11 @@ def check_batch_layout(
         )
 
 
-def load_dataset(config: Config) -> DatasetInfo:
-    """The prepared dataset folder (built-in corpora are prepared on first use), its shards
-    checked against their recorded checksums unless `data.verify_checksums` is off."""
-    info = load_dataset_info(resolve_dataset(config.data.path, config.data.cache_dir))
+def load_dataset(config: Config, path: str | None = None) -> DatasetInfo:
+    """The prepared dataset folder `path` (default `data.path`; built-in corpora are prepared on
+    first use), its shards checked against their recorded checksums unless
+    `data.verify_checksums` is off."""
+    info = load_dataset_info(resolve_dataset(path or config.data.path, config.data.cache_dir))
     if config.data.verify_checksums:
         try:
             info.verify_checksums()
@@ -89,21 +94,16 @@ def load_dataset(config: Config) -> DatasetInfo:
 
 
 def lm_batches(
-    config: Config, info: DatasetInfo, split: str, streams: int | None = None
+    config: Config,
+    info: DatasetInfo,
+    split: str,
+    streams: int | None = None,
+    cache: MemorySource | None = None,
 ) -> StreamBatches:
     """This host's rows of every packed global batch of a prepared dataset split, read as
-    `streams` streams (default `stream_count(config)`)."""
+    `streams` streams (default `stream_count(config)`), from `cache` when it is in RAM."""
     training = split == "train"
-    reading = Reading(
-        shuffle=config.data.shuffle and training,
-        seed=config.run.seed,
-        num_epochs=None if training else 1,
-        read_threads=config.data.read_threads,
-        workers=config.data.workers if training else 0,
-        skip_corrupt=config.data.skip_corrupt,
-        skip_log=skip_log_path(config),
-        reader=config.data.reader,
-    )
+    reading = reading_for(config, training)
 
     def open_stream(index: int, count: int):
         # `count` may come from a checkpoint, so it is checked here and not only at setup
@@ -115,6 +115,7 @@ def lm_batches(
             batch_size=config.data.global_batch_size // count,
             packing=config.data.packing,
             reading=replace(reading, process_index=index, process_count=count),
+            source=cache,
         )
 
     return StreamBatches(
@@ -127,23 +128,70 @@ def lm_batches(
     )
 
 
+def reading_for(config: Config, training: bool) -> Reading:
+    """How the train (or an eval) pass of a configured dataset reads its records."""
+    return Reading(
+        shuffle=config.data.shuffle and training,
+        seed=config.run.seed,
+        num_epochs=None if training else 1,
+        read_threads=config.data.read_threads,
+        workers=config.data.workers if training else 0,
+        skip_corrupt=config.data.skip_corrupt,
+        skip_log=skip_log_path(config),
+        reader=config.data.reader,
+    )
+
+
 def skip_log_path(config: Config) -> Path:
     """Where this host's pipeline lists the records `data.skip_corrupt` dropped."""
     return Path(config.run.workdir) / f"skipped_records.{jax.process_index()}.jsonl"
 
 
 def dataset_sources(config: Config) -> DataSources:
+    if config.data.mixture:
+        from trainer.mixture import mixture_sources
+
+        return mixture_sources(config)
     info = load_dataset(config)
-    train = lm_batches(config, info, "train")
+    caches = memory_caches(config, {"data.path": info})["data.path"]
+    train = lm_batches(config, info, "train", cache=caches.get("train"))
     return DataSources(
         train=train,
         # as many streams as training uses, which a resumed run may take from its checkpoint
-        make_eval=lambda: lm_batches(config, info, "eval", train.streams),
+        make_eval=lambda: lm_batches(config, info, "eval", train.streams, caches.get("eval")),
         description=str(info.path),
         fingerprint=info.fingerprint,
         vocab_size=info.vocab_size,
         skipped_records=lambda: count_skipped(skip_log_path(config)),
     )
+
+
+def memory_caches(
+    config: Config, infos: dict[str, DatasetInfo]
+) -> dict[str, dict[str, MemorySource]]:
+    """With `data.cache=memory`, every split of every dataset read into RAM (checksums were
+    verified by `load_dataset`); a one-line error first when they do not fit in the memory this
+    host has available."""
+    if config.data.cache != "memory":
+        return {name: {} for name in infos}
+    sizes = [
+        memory_needed(info.num_records(split), info.num_tokens(split), info.token_dtype)
+        for info in infos.values()
+        for split in info.raw["splits"]
+    ]
+    needed = sum(sizes) + max(sizes)  # the largest split is held twice while it is joined
+    available = available_memory()
+    if needed > available:
+        raise DataError(
+            f"data.cache=memory needs {needed / 2**30:.2f} GiB for "
+            f"{', '.join(str(i.path) for i in infos.values())} but this host has "
+            f"{available / 2**30:.2f} GiB available; use data.cache=none"
+        )
+    reading = reading_for(config, training=False)
+    return {
+        name: {split: memory_source(info, split, reading) for split in info.raw["splits"]}
+        for name, info in infos.items()
+    }
 
 
 def user_sources(data: Any, eval_data: Any = None) -> DataSources:

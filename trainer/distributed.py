@@ -7,12 +7,14 @@ Must run before any JAX backend call. Where the cluster comes from, first match 
 3. `JAX_DISTRIBUTED_AUTO=1`: JAX's own detection (Cloud TPU pod metadata, Open MPI, Kubernetes
    with the `kubernetes` package).
 
-Never hang, using the runtime's own machinery (no watchdog of ours): the coordination service
+A dead peer never hangs the job, by the runtime's own machinery: the coordination service
 aborts a process (non-zero exit) that cannot register within `JAX_INIT_TIMEOUT_S` (300) seconds,
 and every process once a peer has missed heartbeats for `JAX_HEARTBEAT_TIMEOUT_S` (20) seconds
 (JAX's default, 100, is too slow for a scheduler to notice). A collective with a dead peer fails
 at once (Gloo: connection reset), and a dead coordinator is noticed at once. So the scheduler
 sees the failure and restarts the job, which resumes from the latest checkpoint.
+A peer that is alive but stuck (a hung collective, a blocked read) keeps beating; the step
+watchdog (`trainer/watchdog.py`, `run.step_timeout_s`) ends every process waiting on it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ parameters-only checkpoint that plain Orbax reads without this project's code:
 
     import orbax.checkpoint as ocp
     params = ocp.StandardCheckpointer().restore(DIR)   # nested dict of arrays
+
+With `--format hf`, DIR is a Hugging Face Llama folder (config.json, safetensors, tokenizer) that
+`transformers.LlamaForCausalLM.from_pretrained(DIR)` loads.
 """
 
 from __future__ import annotations
@@ -21,30 +24,46 @@ from trainer.config import config_from_dict
 from trainer.errors import ConfigError, TrainingError
 
 
-def export_params(workdir: str | Path, out: str | Path, step: int | None = None) -> Path:
-    """Read the run's own saved config and checkpoint; write host numpy params to `out`."""
-    checkpointer, latest = Checkpointer.open_existing(workdir)
+def export_params(
+    workdir: str | Path, out: str | Path, step: int | None = None, format: str = "orbax"
+) -> Path:
+    """Read the run's own saved config and checkpoint; write host numpy params to `out` (or, with
+    `format="hf"`, a Hugging Face Llama folder: `trainer/hf/export.py`)."""
+    checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
-        step = latest if step is None else step
-        if step not in checkpointer.manager.all_steps():
+        if step is not None and step not in checkpointer.manager.all_steps():
             raise TrainingError(
                 f"{checkpointer.directory} has no step {step}; saved steps: "
                 f"{sorted(checkpointer.manager.all_steps())}"
             )
-        meta = checkpointer.read_meta(step)
-        config = config_from_dict(meta["config"])
-        config.model.vocab_size = meta["vocab_size"]
-        params = checkpointer.restore_params(step, _abstract_params(config))
+        restored, params = checkpointer.restore_newest(
+            lambda step: _restore_params(checkpointer, step),
+            steps=None if step is None else [step],
+            advice="repair it, or export another --step",
+        )
+        meta = checkpointer.read_meta(restored)
     finally:
         checkpointer.close()
     out = Path(out).absolute()
     if out.exists():
         raise TrainingError(f"{out} already exists; choose a new --out folder")
+    if format == "hf":
+        from trainer.hf.export import write_hf_folder
+
+        return write_hf_folder(out, params, meta)
     host_params = jax.tree.map(np.asarray, params)
     checkpointer_out = ocp.StandardCheckpointer()
     checkpointer_out.save(out, host_params)
     checkpointer_out.wait_until_finished()
     return out
+
+
+def _restore_params(checkpointer: Checkpointer, step: int):
+    """The parameters of `step`, shaped by the model config saved with it."""
+    meta = checkpointer.read_meta(step)
+    config = config_from_dict(meta["config"])
+    config.model.vocab_size = meta["vocab_size"]
+    return checkpointer.restore_params(step, _abstract_params(config))
 
 
 def _abstract_params(config):
@@ -67,9 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="run.workdir of the run to export")
     parser.add_argument("--step", type=int, default=None, help="default: the latest")
     parser.add_argument("--out", required=True, help="new folder for the parameters")
+    parser.add_argument(
+        "--format",
+        choices=["orbax", "hf"],
+        default="orbax",
+        help="orbax (default): plain Orbax params; hf: a Hugging Face Llama folder",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_params(args.workdir, args.out, args.step)
+        out = export_params(args.workdir, args.out, args.step, args.format)
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -30,7 +30,9 @@ def flops_per_token(
     model = config.model
     lookup = 0 if model.tie_embeddings else vocab_size * model.d_model  # tied: also the output
     dense = 6.0 * (num_params - lookup)
-    return dense + 12.0 * model.num_layers * model.d_model * config.data.seq_len
+    # attention width: the query heads' (d_model, unless model.head_dim sets it apart)
+    width = model.num_heads * model.head_dim if model.head_dim else model.d_model
+    return dense + 12.0 * model.num_layers * width * config.data.seq_len
 
 
 def device_peak_tflops(override: float | None = None) -> float | None:

@@ -6,7 +6,8 @@ requests and the goodput timing sit around it. Batches arrive already on the dev
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from trainer.preemption import StopRequest
 from trainer.profiling import ProfileWindow
 from trainer.program import TrainProgram
 from trainer.state import TrainState
+from trainer.watchdog import Watchdog
 
 
 @dataclass
@@ -55,6 +57,22 @@ def evaluate(config: Config, sources: DataSources, program: TrainProgram, state)
     return loss_sum / weight
 
 
+def evaluate_sources(
+    config: Config, sources: DataSources, program: TrainProgram, state
+) -> dict[str, float]:
+    """`eval_loss`; for a mixture also each source's `eval_loss_<name>`, and as `eval_loss` the
+    mixture's expected loss: the sources' losses weighted by their mixture weights."""
+    if not sources.make_evals:
+        return {"eval_loss": evaluate(config, sources, program, state)}
+    losses = {
+        f"eval_loss_{name}": evaluate(config, replace(sources, make_eval=make), program, state)
+        for name, (_, make) in sources.make_evals.items()
+    }
+    weights = {name: weight for name, (weight, _) in sources.make_evals.items()}
+    mean = sum(losses[f"eval_loss_{n}"] * w for n, w in weights.items()) / sum(weights.values())
+    return {"eval_loss": mean, **losses}
+
+
 @dataclass
 class StepRecord:
     """One dispatched step, its metrics still on the device until `Loop._record` reads them."""
@@ -63,6 +81,7 @@ class StepRecord:
     metrics: dict[str, jax.Array]
     seconds: float  # wall time since the previous step was dispatched
     wait_s: float  # of which waiting for its batch
+    data_state: Any = None  # the data position after its batch (per-source token counts)
 
 
 @dataclass
@@ -109,6 +128,8 @@ class Loop:
     tokens_seen: float = 0.0  # this session's, for the summary's throughput
     window: LogWindow = field(default_factory=LogWindow)  # steps since the last metrics line
     goodput: Goodput = field(default_factory=Goodput)  # where the wall time goes
+    watchdog: Watchdog | None = None  # set by `train`: a stuck step ends the process
+    sampler: Callable[[int, TrainState], None] | None = None  # eval.sample_prompts
 
     def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
         config, total = self.config, self.config.run.steps
@@ -125,10 +146,12 @@ class Loop:
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
         timing = self.goodput.timing
         train_step = self.program.stepper()
-        with feed, StopRequest() as stop, profile:
+        self.watchdog = Watchdog(config.run.step_timeout_s)
+        watch = self.watchdog.phase
+        with feed, StopRequest() as stop, profile, self.watchdog:
             for step in range(start_step + 1, total + 1):
                 try:
-                    with timing("data_wait"):
+                    with timing("data_wait"), watch("data", step):
                         batch, data_state = next(feed)
                 except StopIteration:
                     raise TrainingError(
@@ -136,28 +159,32 @@ class Loop:
                         "grain's .repeat()) or lower run.steps"
                     ) from None
                 profile.before_step(step, state)
-                with timing("step"):
+                with timing("step"), watch("step"):
                     state, metrics = train_step(state, batch)  # runs while we log t-1
                     if pending is not None:
                         self._record(pending, result)
                 profile.after_step(step, metrics)
                 now = time.perf_counter()
-                pending = StepRecord(step, metrics, now - tick, feed.last_wait_s)
+                pending = StepRecord(step, metrics, now - tick, feed.last_wait_s, data_state)
                 tick = now
                 saving = stop.at_step(step) or step % config.checkpoint.every == 0 or step == total
                 if saving:
                     # Read now: never save a NaN, and this step's line is on disk before its
                     # checkpoint can become the resume point (a resume truncates lines after it).
-                    with timing("step"):  # waiting for the step's result is step time
+                    with timing("step"), watch("step"):  # waiting for its result: step time
                         self._record(pending, result, last=stop.requested)
                     pending = None
                 evaluating = step % config.eval.every == 0 or step == total
                 if evaluating and self.sources.make_eval is not None:
-                    with timing("eval"):
-                        result.eval_loss = evaluate(config, self.sources, self.program, state)
-                    self.writer.write(step, {"eval_loss": result.eval_loss})
+                    with timing("eval"), watch("eval"):
+                        losses = evaluate_sources(config, self.sources, self.program, state)
+                    result.eval_loss = losses["eval_loss"]
+                    self.writer.write(step, losses)
+                if evaluating and self.sampler is not None:
+                    with timing("eval"), watch("eval"):
+                        self.sampler(step, state)
                 if saving:
-                    with timing("checkpoint"):
+                    with timing("checkpoint"), watch("checkpoint"):
                         blocked = self.checkpointer.save(step, state, data_state, self.meta)
                     self.writer.write(step, {"ckpt_block_s": blocked})
                 if stop.requested:
@@ -217,6 +244,8 @@ class Loop:
         at the run's last step, and at a stop (`last`)."""
         step = record.step
         metrics = {k: float(v) for k, v in jax.device_get(record.metrics).items()}
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
         self._check_finite(step, metrics)
         self.skipped_steps += int(metrics.get("skipped", 0.0))
         self.tokens_seen += metrics["tokens"]
@@ -234,6 +263,8 @@ class Loop:
             row["skipped_steps"] = self.skipped_steps
         if self.config.data.skip_corrupt and self.sources.skipped_records is not None:
             row["corrupt_records_skipped"] = self.sources.skipped_records()
+        if self.sources.source_tokens is not None:
+            row.update(self.sources.source_tokens(record.data_state))
         row.update(self.goodput.metrics())
         self.writer.write(step, row)
         result.last_metrics = row

@@ -99,6 +99,11 @@ class MetricsWriter:
             return "?"
         return _duration(per_step * max(self._total - step, 0))
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A piece of text in TensorBoard's Text tab (e.g. a sampled continuation)."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
     def message(self, text: str) -> None:
         """A log line that does not break the progress bar."""
         if not self.enabled:

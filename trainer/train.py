@@ -23,10 +23,12 @@ from trainer.data import (
 from trainer.errors import ConfigError, TrainingError
 from trainer.flops import device_peak_tflops, flops_per_token
 from trainer.goodput import Goodput, format_summary, write_summary
+from trainer.hf import hf_folder
 from trainer.loop import Loop, RunResult
 from trainer.metrics import MetricsWriter
 from trainer.models import build_model
 from trainer.program import TrainProgram, build_program
+from trainer.samples import make_sampler
 from trainer.state import TrainState
 from trainer.step import LossFn, next_token_loss
 
@@ -158,6 +160,7 @@ def _run(
         flops_per_token=flops_per_token(config, program.num_params, vocab_size or 0, builtin),
         peak_tflops=device_peak_tflops(config.log.peak_tflops),
         goodput=goodput,
+        sampler=make_sampler(config, build, mesh, writer, builtin and ours),
     )
     try:
         with jax.set_mesh(mesh):
@@ -176,13 +179,16 @@ def _run(
 
 
 def restore_or_init(config: Config, checkpointer: Checkpointer, program: TrainProgram, train_iter):
-    """Latest complete checkpoint (state + data position), or a fresh sharded init."""
-    step = checkpointer.latest_step()
-    if step is None and config.checkpoint.init_from:
-        return init_from(config.checkpoint.init_from, program), 0
-    if step is None:
+    """Newest checkpoint that restores (state + data position), or a fresh sharded init.
+    Damaged checkpoints are moved aside; a run never starts afresh over them."""
+    if checkpointer.latest_step() is None and not checkpointer.damaged():
+        if config.checkpoint.init_from:
+            return init_from(config.checkpoint.init_from, program), 0
         return program.init(), 0
-    state, data_state = checkpointer.restore(step, program.abstract_state())
+    target = program.abstract_state()
+    step, (state, data_state) = checkpointer.restore_newest(
+        lambda step: checkpointer.restore(step, target)
+    )
     if data_state is not None:
         train_iter.set_state(data_state)
     return state, step
@@ -190,10 +196,19 @@ def restore_or_init(config: Config, checkpointer: Checkpointer, program: TrainPr
 
 def init_from(path: str, program: TrainProgram) -> TrainState:
     """A fresh state whose parameters come from another run's latest checkpoint (fine-tuning):
-    optimizer state, step and data position start anew."""
-    source, step = Checkpointer.open_existing(path)
+    optimizer state, step and data position start anew. `hf:PATH`: a Hugging Face folder."""
+    target = program.abstract_state().params
+    if (folder := hf_folder(path)) is not None:
+        from trainer.hf.weights import load_hf_params
+
+        with jax.set_mesh(program.mesh):
+            return program.init().replace(params=load_hf_params(folder, target))
+    source, _ = Checkpointer.open_existing(path)
     try:
-        params = source.restore_params(step, program.abstract_state().params)
+        _, params = source.restore_newest(
+            lambda step: source.restore_params(step, target),
+            advice="repair them, or point checkpoint.init_from at another run",
+        )
     finally:
         source.close()
     return program.init().replace(params=params)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.models.attention import attention_dtype, attention_implementation
+from trainer.models.rope import RopeScaling, scale_frequencies
 
 if TYPE_CHECKING:
     from trainer.models.transformer import TransformerSpec
@@ -57,9 +58,11 @@ class PackedLayout(NamedTuple):
         positions_BxL: jax.Array,
         head_dim: int,
         theta: float,
+        rope_scaling: RopeScaling | None = None,
     ) -> PackedLayout:
         half = head_dim // 2
         freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        freqs_F = scale_frequencies(freqs_F, rope_scaling)
         angles_BxLx1xF = (positions_BxL[..., None].astype(jnp.float32) * freqs_F)[:, :, None]
         mask = None if segment_ids_BxL is None else packed_causal_mask(segment_ids_BxL)
         return cls(mask, jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF))

@@ -19,6 +19,7 @@ from trainer.config import ModelConfig
 from trainer.models.attention import device_facts
 from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
 from trainer.models.matmul import BF16_DOT, linear_dot_general
+from trainer.models.rope import RopeScaling, freeze_scaling
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -48,10 +49,13 @@ class TransformerSpec:
     attention: str = "auto"
     compute_dtype: jnp.dtype = jnp.bfloat16
     param_dtype: jnp.dtype = jnp.float32
+    norm_eps: float = 1e-6
+    head_dim: int | None = None  # None: d_model // num_heads (filled in by __post_init__)
+    rope_scaling: RopeScaling | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
     @property
     def dot_general(self):
@@ -72,6 +76,9 @@ class TransformerSpec:
             d_ff=config.d_ff,
             rope_theta=config.rope_theta,
             dropout=config.dropout,
+            norm_eps=config.norm_eps,
+            head_dim=config.head_dim,
+            rope_scaling=freeze_scaling(config.rope_scaling),
             tie_embeddings=config.tie_embeddings,
             remat=config.remat,
             scan_layers=config.scan_layers,
@@ -85,9 +92,9 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.attn_norm = RMSNorm(spec.d_model, spec.param_dtype, spec.norm_eps)
         self.attn = Attention(spec, rngs=rngs)
-        self.mlp_norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.mlp_norm = RMSNorm(spec.d_model, spec.param_dtype, spec.norm_eps)
         self.mlp = SwiGLU(spec, rngs=rngs)
         self.dropout_rate = spec.dropout
 
@@ -119,7 +126,7 @@ class Transformer(nnx.Module):
             return Block(spec, rngs=rngs)
 
         self.blocks = make_stack(rngs)
-        self.final_norm = RMSNorm(spec.d_model, spec.param_dtype)
+        self.final_norm = RMSNorm(spec.d_model, spec.param_dtype, spec.norm_eps)
         if not spec.tie_embeddings:
             self.lm_head = nnx.Linear(
                 spec.d_model,
@@ -142,7 +149,11 @@ class Transformer(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]), inputs_BxL.shape)
         x_BxLxD = self.embed(inputs_BxL)
         layout = PackedLayout.of(
-            segment_ids_BxL, positions_BxL, self.spec.head_dim, self.spec.rope_theta
+            segment_ids_BxL,
+            positions_BxL,
+            self.spec.head_dim,
+            self.spec.rope_theta,
+            self.spec.rope_scaling,
         )
         x_BxLxD = self._run_blocks(x_BxLxD, layout)
         x_BxLxD = self.final_norm(x_BxLxD)
@@ -155,8 +166,8 @@ class Transformer(nnx.Module):
     def _run_blocks(self, x_BxLxD, layout: PackedLayout):
         """One scan over the stacked layers: the step compiles one block, whatever the depth.
         With `scan_layers=False`, a loop over static slices of the same stacked parameters (same
-        checkpoints): no stacked residual buffers to zero and slice per layer, which cost ~15%
-        of a step for shallow models on CPU; compile time then grows with depth."""
+        checkpoints): no stacked residual buffers to zero and slice per layer, which is faster
+        for shallow models on CPU (BENCHMARKS.md, nanoGPT recipe); compile time grows with depth."""
         graphdef, stacked = nnx.split(self.blocks)
         stacked = _matrices_in(self.spec.compute_dtype, stacked)
         layer_keys = None

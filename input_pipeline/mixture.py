@@ -1,0 +1,116 @@
+"""A data mixture: one stream's rows drawn from several sources in proportion to their weights.
+
+Row `n` of the stream comes from the source furthest behind its share (`weight * (n + 1)` rows
+minus the rows it gave; ties go to the earlier source), so the shares are exact to one row at
+every point and the order is the same on every run. Each source is its own packed batch
+iterator; the mixture keeps one batch of each in hand and hands out its rows one at a time. The
+state is every source's position (where its batch in hand was read, and how many of its rows
+were used), the row count, and the tokens each source gave: a resume continues bit-exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from input_pipeline.errors import DataError
+
+Batch = dict[str, np.ndarray]
+
+
+def rows_per_read(weight: float, rows: int) -> int:
+    """Rows per batch of a source's own iterator: about its share of one mixed batch."""
+    return max(1, math.ceil(weight * rows))
+
+
+class MixedStream:
+    """`rows` rows per batch from `iterators` (name -> checkpointable batch iterator) by weight."""
+
+    def __init__(self, iterators: dict[str, Any], weights: dict[str, float], rows: int):
+        if set(iterators) != set(weights):
+            raise DataError(f"mixture sources {sorted(iterators)} and weights {sorted(weights)}")
+        total = sum(weights.values())
+        self.names = list(iterators)
+        self.iterators = iterators
+        self.shares = np.array([weights[n] / total for n in self.names])
+        self.rows = rows
+        self.row = 0  # rows handed out so far
+        self.taken = np.zeros(len(self.names), np.int64)
+        self.tokens = dict.fromkeys(self.names, 0.0)  # tokens (weight > 0) each source gave
+        self._in_hand: dict[str, Batch | None] = dict.fromkeys(self.names)
+        self._used = dict.fromkeys(self.names, 0)
+        self._read_at = {n: None for n in self.names}  # position its batch in hand was read at
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def _next_source(self) -> int:
+        behind = self.shares * (self.row + 1) - self.taken
+        return int(np.argmax(behind))  # first maximum: ties go to the earlier source
+
+    def _take_row(self, name: str) -> dict[str, np.ndarray]:
+        batch = self._in_hand[name]
+        if batch is None or self._used[name] == len(batch["inputs"]):
+            self._read_at[name] = copy.deepcopy(self.iterators[name].get_state())
+            batch = self._in_hand[name] = next(self.iterators[name])
+            self._used[name] = 0
+        row = {k: v[self._used[name]] for k, v in batch.items()}
+        self._used[name] += 1
+        return row
+
+    def __next__(self) -> Batch:
+        rows = []
+        for _ in range(self.rows):
+            source = self._next_source()
+            name = self.names[source]
+            row = self._take_row(name)
+            self.taken[source] += 1
+            self.row += 1
+            self.tokens[name] += float(row["weights"].sum()) if "weights" in row else 0.0
+            rows.append(row)
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def get_state(self) -> dict[str, Any]:
+        sources = {}
+        for name in self.names:
+            held = self._in_hand[name] is not None
+            position = self._read_at[name] if held else self.iterators[name].get_state()
+            sources[name] = {"position": position, "used": self._used[name] if held else -1}
+        return {
+            "row": self.row,
+            "taken": {n: int(t) for n, t in zip(self.names, self.taken, strict=True)},
+            "tokens": dict(self.tokens),
+            "sources": sources,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if sorted(state["sources"]) != sorted(self.names):
+            raise DataError(
+                f"the checkpoint's data position is a mixture of {sorted(state['sources'])}, but "
+                f"data.mixture names {sorted(self.names)}; resume with the same sources"
+            )
+        self.row = int(state["row"])
+        self.taken = np.array([state["taken"][n] for n in self.names], np.int64)
+        self.tokens = {n: float(state["tokens"][n]) for n in self.names}
+        for name in self.names:
+            saved = state["sources"][name]
+            self.iterators[name].set_state(saved["position"])
+            self._in_hand[name], self._used[name] = None, 0
+            if saved["used"] >= 0:  # re-read the batch that was in hand; skip its used rows
+                self._read_at[name] = copy.deepcopy(saved["position"])
+                self._in_hand[name] = next(self.iterators[name])
+                self._used[name] = int(saved["used"])
+
+
+def tokens_by_source(data_state: Any) -> dict[str, float]:
+    """`tokens_<name>`: the tokens each source gave this process's streams, from a
+    `StreamBatches` state of mixed streams."""
+    totals: dict[str, float] = {}
+    for position in (data_state or {}).get("positions", {}).values():
+        for name, tokens in position.get("tokens", {}).items():
+            totals[f"tokens_{name}"] = totals.get(f"tokens_{name}", 0.0) + tokens
+    return totals

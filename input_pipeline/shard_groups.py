@@ -1,0 +1,248 @@
+"""One group of documents -> its own shards and a `done.json` manifest; finished groups -> one
+dataset. A group is written in its own folder and marked finished last, so a killed prepare
+re-runs only unfinished groups, and hosts (`--num-parts`) never write the same file.
+
+The held-out split is chosen per document by content (`is_eval_document`). A corpus with no
+held-out document at all still gets one: the last training document of the last group, which
+that group keeps aside (`fallback`) until the merge knows whether any group found one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from input_pipeline.documents import Piece, piece_documents
+from input_pipeline.records import Codec, ShardSet, arrayrecord_codec, split_long
+from input_pipeline.tokenizers import (
+    HF_TOKENIZER_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+)
+
+DONE_FILE = "done.json"
+ENCODE_BATCH = 256  # documents per tokenizer call
+SPLITS = ("train", "eval")
+EXTENSIONS = {"arrayrecord": ".arrayrecord", "tfrecord": ".tfrecord"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What every group of one prepare shares: equal recipes over equal inputs give equal data."""
+
+    format: str
+    eval_fraction: float
+    explicit_eval: bool  # --eval-input: each piece's split is its file's, not its content's
+    num_shards: int  # per group and split
+    max_record_tokens: int
+    token_dtype: str
+    text_field: str = "text"
+    tokenizer_file: str | None = None  # a SentencePiece model or tokenizer.json; None: bytes
+
+    def tokenizer(self, threads: int | None = None) -> Tokenizer:
+        if self.tokenizer_file is None:
+            return ByteTokenizer()
+        if Path(self.tokenizer_file).name == HF_TOKENIZER_FILE:
+            return HFTokenizer(self.tokenizer_file)
+        return SentencePieceTokenizer(self.tokenizer_file, threads=threads)
+
+    def codec(self) -> Codec:
+        if self.format == "tfrecord":
+            from input_pipeline.tfrecords import tfrecord_codec
+
+            return tfrecord_codec(np.dtype(self.token_dtype))
+        return arrayrecord_codec(np.dtype(self.token_dtype))
+
+    def is_eval(self, text: str) -> bool:
+        return is_eval_document(text, self.eval_fraction)
+
+    @property
+    def holds_fallback(self) -> bool:
+        return self.eval_fraction > 0 and not self.explicit_eval
+
+
+def is_eval_document(text: str, eval_fraction: float) -> bool:
+    """Deterministic by content: the same corpus always gives the same held-out split."""
+    digest = hashlib.sha256(text.encode("utf-8", errors="replace")).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < eval_fraction
+
+
+Source = tuple[Iterable[str], str | None]  # documents, and their split (None: by content)
+
+
+def piece_sources(pieces: list[Piece], recipe: Recipe) -> list[Source]:
+    """A file group's documents, each piece with its split: held-out files are all eval, and
+    with held-out files given every other file is all train."""
+    forced = "train" if recipe.explicit_eval else None
+    return [
+        (piece_documents(p, recipe.text_field), "eval" if p["eval"] else forced) for p in pieces
+    ]
+
+
+class _GroupWriter:
+    """Documents -> tokenized records -> round-robin shards, a batch of documents at a time."""
+
+    def __init__(self, folder: Path, recipe: Recipe, tok: Tokenizer, last_group: bool):
+        self.recipe, self.tok = recipe, tok
+        codec = recipe.codec()
+        self.shards = {s: ShardSet(folder, s, recipe.num_shards, codec) for s in SPLITS}
+        self.fallback = ShardSet(folder, "fallback", 1, codec)
+        self.documents = dict.fromkeys(SPLITS, 0)
+        self.pending: dict[str, list[str]] = {s: [] for s in SPLITS}
+        self.hold_last = last_group and recipe.holds_fallback
+
+    def add(self, text: str, split: str) -> None:
+        self.pending[split].append(text)
+        self.documents[split] += 1
+        # the last train document may be held back, so one always stays pending
+        if len(self.pending[split]) > ENCODE_BATCH:
+            self._flush(split, keep=1)
+
+    def _records(self, tokens: np.ndarray) -> list[np.ndarray]:
+        """A document's records: at least one next-token pair each, long documents cut."""
+        return [p for p in split_long(tokens, self.recipe.max_record_tokens) if len(p) > 1]
+
+    def _flush(self, split: str, keep: int = 0) -> None:
+        texts = self.pending[split]
+        cut = len(texts) - keep
+        self.pending[split] = texts[cut:]
+        for tokens in self.tok.encode_batch(texts[:cut]) if cut else []:
+            for record in self._records(tokens):
+                self.shards[split].write(record)
+
+    def finish(self) -> dict[str, Any]:
+        self._flush("eval")
+        aside = False  # the last training document kept aside as the corpus's fallback eval
+        if self.hold_last and self.pending["train"]:
+            last = self.pending["train"].pop()
+            self._flush("train")
+            aside = not self.documents["eval"]  # a group with a held-out document needs none
+            target = self.fallback if aside else self.shards["train"]
+            self.documents["train"] -= aside
+            for record in self._records(self.tok.encode(last)):
+                target.write(record)
+        self._flush("train")
+        manifest: dict[str, Any] = {
+            "splits": {s: _split_entry(self.documents[s], self.shards[s].close()) for s in SPLITS}
+        }
+        fallback = self.fallback.close()
+        if aside:
+            manifest["fallback"] = _split_entry(1, fallback)
+        return manifest
+
+
+def _split_entry(documents: int, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "documents": documents,
+        "records": sum(s["records"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "shards": shards,
+    }
+
+
+def write_group(
+    folder: Path,
+    sources: list[Source],
+    recipe: Recipe,
+    tok: Tokenizer,
+    *,
+    last_group: bool,
+    on_document: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Write one group from scratch into `folder`; `done.json`, written last, marks it finished."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    writer = _GroupWriter(folder, recipe, tok, last_group)
+    for documents, split in sources:
+        for text in documents:
+            writer.add(text, split or ("eval" if recipe.is_eval(text) else "train"))
+            if on_document is not None:
+                on_document()
+    manifest = writer.finish()
+    write_json(folder / DONE_FILE, manifest)
+    return manifest
+
+
+def group_folder(staging: Path, index: int) -> Path:
+    return staging / f"group-{index:05d}"
+
+
+def finished(staging: Path, index: int) -> dict[str, Any] | None:
+    """The manifest of a finished group, or None."""
+    try:
+        return json.loads((group_folder(staging, index) / DONE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def prepare_file_group(
+    staging: str, index: int, pieces: list[Piece], recipe: dict[str, Any], last: bool, threads: int
+) -> int:
+    """A pool worker's task (spawn-safe: plain arguments): one group of input files; returns its
+    input bytes, for the progress bar."""
+    rec = Recipe(**recipe)
+    write_group(
+        group_folder(Path(staging), index),
+        piece_sources(pieces, rec),
+        rec,
+        rec.tokenizer(threads),
+        last_group=last,
+    )
+    return sum(p["end"] - p["start"] for p in pieces)
+
+
+def run_file_group(task: tuple) -> int:
+    """`prepare_file_group` for `Pool.imap`, which passes one argument."""
+    return prepare_file_group(*task)
+
+
+def merge_groups(staging: Path, count: int, recipe: Recipe) -> dict[str, Any]:
+    """Move every group's shards to their global names in `staging` and return the `splits`
+    entry of `dataset.json`. Safe to re-run after a kill: moved files are found moved."""
+    manifests = [finished(staging, i) for i in range(count)]
+    missing = [i for i, m in enumerate(manifests) if m is None]
+    if missing:
+        raise RuntimeError(f"groups {missing} are not finished")
+    placed: dict[str, list[tuple[int, dict[str, Any]]]] = {s: [] for s in SPLITS}
+    documents = dict.fromkeys(SPLITS, 0)
+    for i, manifest in enumerate(manifests):
+        for split in SPLITS:
+            documents[split] += manifest["splits"][split]["documents"]
+            placed[split] += [(i, shard) for shard in manifest["splits"][split]["shards"]]
+    fallback = manifests[-1].get("fallback") if manifests else None
+    if fallback:
+        # the old rule of a tiny corpus: no held-out document anywhere -> the last train one
+        split = "eval" if documents["eval"] == 0 and documents["train"] >= 1 else "train"
+        documents[split] += 1
+        placed[split] += [(count - 1, shard) for shard in fallback["shards"]]
+    extension = EXTENSIONS[recipe.format]
+    splits = {}
+    for split in SPLITS:
+        if not documents[split]:
+            continue
+        shards = []
+        for k, (group, shard) in enumerate(placed[split]):
+            name = f"{split}-{k:05d}-of-{len(placed[split]):05d}{extension}"
+            source = group_folder(staging, group) / shard["file"]
+            if source.exists() or not (staging / name).exists():
+                os.replace(source, staging / name)
+            shards.append({**shard, "file": name})
+        splits[split] = _split_entry(documents[split], shards)
+    return splits
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Atomically: a reader sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)

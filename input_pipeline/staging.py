@@ -1,0 +1,183 @@
+"""The staging folder of a file prepare: its plan, the shared tokenizer, the groups written on
+worker processes, and the merge that publishes the dataset atomically.
+
+`.<output>.partial/` holds `plan.json` (inputs, options and groups: a re-run with the same plan
+resumes, parts check they agree), `tokenizer.model` when SentencePiece is used, and one
+`group-NNNNN/` folder per group, finished when its `done.json` exists. The merge moves the shards
+to their global names, writes `dataset.json`, and renames the folder to the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from input_pipeline.dataset_info import INFO_FILE
+from input_pipeline.documents import Piece
+from input_pipeline.errors import DataError
+from input_pipeline.shard_groups import (
+    Recipe,
+    finished,
+    group_folder,
+    merge_groups,
+    prepare_file_group,
+    run_file_group,
+    write_json,
+)
+from input_pipeline.tokenizers import (
+    SENTENCEPIECE_FILE,
+    SentencePieceTokenizer,
+    Tokenizer,
+    make_tokenizer,
+)
+
+PLAN_FILE = "plan.json"
+MERGE_LOCK = "merging"
+
+
+def part_groups(count: int, num_parts: int, part: int) -> range:
+    """Part `part`'s contiguous slice of the groups."""
+    return range(part * count // num_parts, (part + 1) * count // num_parts)
+
+
+def part_of(group: int, count: int, num_parts: int) -> int:
+    return next(p for p in range(num_parts) if group in part_groups(count, num_parts, p))
+
+
+def open_staging(staging: Path, plan: dict[str, Any], shared: bool) -> None:
+    """Resume a staging folder made by the same plan; a single-host prepare with other inputs or
+    options starts over, a part refuses (another part may be working in it)."""
+    plan_file = staging / PLAN_FILE
+    if plan_file.exists():
+        if json.loads(plan_file.read_text()) == plan:
+            done = sum(finished(staging, i) is not None for i in range(len(plan["groups"])))
+            if done:
+                print(
+                    f"resuming {staging}: {done} of {len(plan['groups'])} groups already done",
+                    file=sys.stderr,
+                )
+            return
+        if shared:
+            raise DataError(
+                f"{staging} holds a prepare of other inputs or options; run every part with the "
+                "same arguments, or delete that folder"
+            )
+        print(f"discarding {staging}: it was made with other inputs or options", file=sys.stderr)
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    write_json(plan_file, plan)  # parts starting together write the same plan
+
+
+def staged_tokenizer(
+    staging: Path,
+    choice: str,
+    vocab_size: int | None,
+    sample: Callable[[], Iterable[str]],
+    sample_sentences: int,
+) -> Tokenizer:
+    """The tokenizer every part shares: the first part to train (or copy) a SentencePiece model
+    links it into the staging folder, and every part uses that one."""
+    if choice == "byte" or choice.startswith("hf:"):  # hf: every part copies the same file
+        return make_tokenizer(choice, staging)
+    target = staging / SENTENCEPIECE_FILE
+    if not target.exists():
+        private = staging / f".tokenizer-{socket.gethostname()}-{os.getpid()}"
+        private.mkdir(exist_ok=True)
+        try:
+            lines = sample() if choice == "sentencepiece" else ()
+            make_tokenizer(choice, private, lines, vocab_size, sample_sentences)
+            with contextlib.suppress(FileExistsError):  # another part was first: use its model
+                os.link(private / SENTENCEPIECE_FILE, target)
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+    return SentencePieceTokenizer(target)
+
+
+def run_groups(
+    staging: Path,
+    groups: list[list[Piece]],
+    pending: list[int],
+    recipe: Recipe,
+    workers: int | None,
+    progress: bool,
+    name: str,
+) -> None:
+    """Write the `pending` groups, each on one of `workers` processes (spawned: safe beside
+    threads), with a progress bar over input bytes."""
+    if not pending:
+        return
+    cores = os.cpu_count() or 1
+    workers = max(1, min(workers or cores, len(pending)))
+    tasks = [
+        (str(staging), i, groups[i], asdict(recipe), i == len(groups) - 1, max(1, cores // workers))
+        for i in pending
+    ]
+    total = sum(p["end"] - p["start"] for i in pending for p in groups[i])
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"tokenizing {name}", disable=not progress
+    )
+    with bar:
+        if workers == 1:
+            for task in tasks:
+                bar.update(prepare_file_group(*task))
+            return
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            for done in pool.imap_unordered(run_file_group, tasks):
+                bar.update(done)
+
+
+def take_merge_lock(staging: Path, force: bool) -> bool:
+    """One merger among parts that finish together; `--merge` (or one host) always merges."""
+    try:
+        (staging / MERGE_LOCK).mkdir()
+    except FileExistsError:
+        return force
+    return True
+
+
+def finish(
+    staging: Path, output: Path, count: int, recipe: Recipe, tok: Tokenizer, overwrite: bool
+) -> None:
+    """Merge the finished groups into one dataset and publish it atomically."""
+    splits = merge_groups(staging, count, recipe)
+    if not splits.get("train", {}).get("documents"):
+        raise DataError(f"no training documents for {output}; check the --input files")
+    info = {
+        "format": recipe.format,
+        "tokenizer": tok.spec(),
+        "vocab_size": tok.vocab_size,
+        "token_dtype": recipe.token_dtype,
+        "max_record_tokens": recipe.max_record_tokens,
+        "splits": splits,
+    }
+    write_json(staging / INFO_FILE, info)
+    for i in range(count):
+        shutil.rmtree(group_folder(staging, i), ignore_errors=True)
+    (staging / PLAN_FILE).unlink(missing_ok=True)
+    shutil.rmtree(staging / MERGE_LOCK, ignore_errors=True)
+    publish(staging, output, overwrite)
+
+
+def publish(tmp: Path, output: Path, overwrite: bool) -> None:
+    """Move the finished folder into place; a concurrent winner is kept, not clobbered."""
+    if output.exists():
+        if overwrite:
+            shutil.rmtree(output)
+        elif (output / INFO_FILE).exists():
+            shutil.rmtree(tmp)  # someone else finished the same dataset first
+            return
+        else:
+            shutil.rmtree(output)  # leftovers of an older, interrupted layout
+    output.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, output)

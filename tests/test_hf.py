@@ -1,0 +1,209 @@
+"""Hugging Face checkpoints in and out (`trainer/hf/`), and generation with a KV cache
+(`trainer/generate.py`), against fixtures written by the real `transformers` library
+(tests/fixtures/make_hf_fixture.py says how they were made)."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY
+from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
+
+from trainer.config import load_config
+from trainer.errors import ConfigError
+from trainer.export import export_params
+from trainer.generate import load_generator, sample
+from trainer.hf.config import hf_config, model_fields
+from trainer.hf.weights import load_hf_params
+from trainer.program import build_program
+from trainer.sharding import make_mesh
+from trainer.train import builder_for_vocab, run
+
+FIXTURES = Path(__file__).parent / "fixtures"
+UNTIED = FIXTURES / "hf_tiny_llama"  # GQA, llama3 rope scaling, norm eps 1e-5, tokenizer
+TIED = FIXTURES / "hf_tiny_llama_tied"  # tied embeddings, explicit head_dim
+
+
+def tensors(folder: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    return out
+
+
+@pytest.mark.parametrize("fixture", [UNTIED, TIED], ids=["untied_gqa", "tied_head_dim"])
+def test_imported_weights_give_the_reference_logits(fixture):
+    reference = np.load(fixture / "reference.npz")
+    generator = load_generator(f"hf:{fixture}", compute="float32", devices=jax.devices()[:4])
+    assert generator.mesh.shape["fsdp"] == 4  # each host reads only its weight shards
+    logits = generator.model({"inputs": jnp.asarray(reference["input_ids"])})
+    np.testing.assert_allclose(np.asarray(logits), reference["logits"], atol=1e-5, rtol=0)
+
+
+def test_import_reads_each_shard_into_a_data_fsdp_tensor_layout():
+    overrides = [f"checkpoint.init_from=hf:{UNTIED}", "mesh.fsdp=2", "mesh.tensor=2"]
+    config = load_config(None, overrides)
+    program = build_program(config, make_mesh(config.mesh), builder_for_vocab(config))
+    params = load_hf_params(UNTIED, program.abstract_state().params)
+    original = tensors(UNTIED)
+    q = params["blocks"]["attn"]["q"]["kernel"]
+    assert q.sharding.spec == P(None, "fsdp", "tensor")
+    np.testing.assert_array_equal(q[1], original["model.layers.1.self_attn.q_proj.weight"].T)
+    head = params["lm_head"]["kernel"]
+    np.testing.assert_array_equal(head, original["lm_head.weight"].T)
+    embed = params["embed"]["embedding"]
+    np.testing.assert_array_equal(embed, original["model.embed_tokens.weight"])
+
+
+def test_config_json_of_transformers_4_and_5_read_alike():
+    v5 = json.loads((UNTIED / "config.json").read_text())
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    scaling = dict(v5["rope_parameters"])
+    v4["rope_theta"] = scaling.pop("rope_theta")
+    v4["rope_scaling"] = {**scaling, "type": scaling.pop("rope_type")}
+    assert model_fields(v4) == model_fields(v5)
+    assert model_fields(v5)["rope_scaling"]["type"] == "llama3"
+    assert model_fields(v5)["norm_eps"] == 1e-5
+
+
+@pytest.mark.parametrize("fixture", [UNTIED, TIED], ids=["untied_gqa", "tied_head_dim"])
+def test_written_config_json_reads_back_the_same_model(fixture):
+    config = load_config(None, [f"checkpoint.init_from=hf:{fixture}"])
+    written = hf_config(config.model, config.model.vocab_size)
+    assert model_fields(written) == model_fields(json.loads((fixture / "config.json").read_text()))
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_type": "qwen2"}, "model_type='qwen2'"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
+    ],
+)
+def test_unsupported_architectures_name_the_field(change, field):
+    hf = {**json.loads((UNTIED / "config.json").read_text()), **change}
+    with pytest.raises(ConfigError, match=field):
+        model_fields(hf)
+
+
+def test_model_section_follows_config_json_unless_overridden():
+    config = load_config(None, [f"checkpoint.init_from=hf:{TIED}", "model.remat=full"])
+    assert (config.model.head_dim, config.model.tie_embeddings, config.model.remat) == (
+        16,
+        True,
+        "full",
+    )
+    assert (
+        load_config(
+            None, [f"checkpoint.init_from=hf:{TIED}", "model.num_layers=3"]
+        ).model.num_layers
+        == 3
+    )
+
+
+def test_sampling_cuts_to_the_top_tokens():
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]])
+    key = jax.random.key(0)
+    assert int(sample(logits, key, 0.0, None, 1.0)[0]) == 1  # greedy
+    assert int(sample(logits, key, 1.0, 1, 1.0)[0]) == 1  # top-k 1
+    assert int(sample(logits, key, 1.0, None, 0.01)[0]) == 1  # nucleus of one token
+    draws = sample(jnp.tile(logits, (64, 1)), key, 5.0, 2, 1.0)  # 64 independent rows
+    assert set(np.asarray(draws).tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_greedy_generation_with_cache_equals_full_model_argmax(num_devices):
+    generator = load_generator(
+        f"hf:{UNTIED}", compute="float32", devices=jax.devices()[:num_devices]
+    )
+    assert generator.mesh.size == num_devices
+    generator.eos_id = None  # compare all 32 tokens
+    prompt = np.load(UNTIED / "reference.npz")["input_ids"][0, :5].tolist()
+    cached = generator.generate(prompt, max_new_tokens=32, temperature=0.0)
+    # no cache: the whole sequence through the training forward pass, one token at a time
+    # (padded to one length: causal attention keeps the padding out of earlier positions)
+    forward = jax.jit(lambda ids: generator.model({"inputs": ids}))
+    ids = np.zeros((1, len(prompt) + 32), np.int32)
+    ids[0, : len(prompt)] = prompt
+    with jax.set_mesh(generator.mesh):
+        for t in range(len(prompt), len(prompt) + 32):
+            ids[0, t] = int(jnp.argmax(forward(jnp.asarray(ids))[0, t - 1]))
+    np.testing.assert_array_equal(cached, ids[0, len(prompt) :])
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    """A dataset tokenized with the fixture's tokenizer.json, and a run started from its weights:
+    4 steps, checkpoints at 2 and 4, a greedy sample of one prompt at the final eval."""
+    from input_pipeline.prepare import prepare_dataset
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [f.read_text(errors="replace") for f in sorted(stdlib.glob("*.py"))[:30]]
+    root = tmp_path_factory.mktemp("hf_run")
+    data = prepare_dataset(texts, root / "data", tokenizer=f"hf:{UNTIED}", progress=False)
+    shape_free = [o for o in TINY if not o.startswith("model.")]
+    overrides = shape_free + [
+        f"data.path={data}",
+        f"run.workdir={root / 'work'}",
+        f"checkpoint.init_from=hf:{UNTIED}",
+        "checkpoint.every=2",
+        "eval.every=100",
+        "eval.sample_prompts=['def ']",
+        "eval.sample_tokens=4",
+    ]
+    result = run(load_config(None, [*overrides, "run.steps=4"]))
+    return root, data, overrides, result
+
+
+@pytest.mark.slow
+def test_prepare_records_the_hf_tokenizer(hf_run):
+    _, data, _, _ = hf_run
+    spec = json.loads((data / "dataset.json").read_text())["tokenizer"]
+    assert (spec["kind"], spec["vocab_size"], spec["model"]) == ("hf", 320, "tokenizer.json")
+    assert (data / "tokenizer.json").read_bytes() == (UNTIED / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_run_from_hf_trains_and_resumes_from_its_own_checkpoints(hf_run, capfd):
+    root, _, overrides, first = hf_run
+    assert first.step == 4 and np.isfinite(first.last_metrics["loss"])
+    resumed = run(load_config(None, [*overrides, "run.steps=6"]))
+    assert resumed.step == 6
+    assert "(step 4)" in capfd.readouterr().err  # resumed from its own step 4, not re-imported
+    samples = [json.loads(line) for line in (root / "work" / "samples.jsonl").open()]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(4, "def "), (6, "def ")]
+    assert all(isinstance(s["text"], str) and s["text"] for s in samples)
+
+
+@pytest.mark.slow
+def test_export_then_import_is_the_identity(hf_run, tmp_path):
+    root, _, _, _ = hf_run
+    out = export_params(root / "work", tmp_path / "hf", step=4, format="hf")
+    exported, original = tensors(out), tensors(UNTIED)
+    layout = lambda ts: {n: (a.shape, a.dtype) for n, a in ts.items()}  # noqa: E731
+    assert layout(exported) == layout(original)
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert model_fields(config) == {
+        **model_fields(json.loads((UNTIED / "config.json").read_text()))
+    }
+    # re-import: the same parameters as the run's checkpoint of step 4
+    again = load_generator(f"hf:{out}", devices=jax.devices()[:2])
+    saved = load_generator(str(root / "work"), step=4, devices=jax.devices()[:2])
+    from flax import nnx
+
+    flat = lambda m: jax.tree.leaves(nnx.to_pure_dict(nnx.state(m, nnx.Param)))  # noqa: E731
+    for a, b in zip(flat(again.model), flat(saved.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(exported[n], original[n]) for n in original)  # it trained

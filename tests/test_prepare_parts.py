@@ -1,0 +1,153 @@
+"""prepare at scale: parts prepared by separate processes and merged, and a prepare killed with
+SIGKILL and re-run, give the same records and the same train/eval split as one uninterrupted
+single-host prepare; the held-out fallback of a tiny corpus survives the streaming rewrite."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
+from conftest import documents
+
+from input_pipeline.prepare import main as prepare_main
+from input_pipeline.prepare import prepare_dataset
+
+
+def write_corpus(folder, files=6, per_file=20):
+    """jsonl files (cut into byte ranges by a small --group-mb) and a few .txt documents."""
+    folder.mkdir()
+    docs = documents(files * per_file + 4, seed=3)
+    for f in range(files):
+        with open(folder / f"part-{f:02d}.jsonl", "w") as out:
+            for text in docs[f * per_file : (f + 1) * per_file]:
+                out.write(json.dumps({"text": text}) + "\n")
+    for i, text in enumerate(docs[files * per_file :]):
+        (folder / f"single-{i}.txt").write_text(text)
+    return docs
+
+
+def records_of(folder):
+    """Each split's document count and records (sorted: the shard layout may differ)."""
+    info = json.loads((folder / "dataset.json").read_text())
+    out = {}
+    for name, split in info["splits"].items():
+        records = []
+        for shard in split["shards"]:
+            reader = ArrayRecordReader(str(folder / shard["file"]))
+            records += reader.read_all()
+            reader.close()
+        assert len(records) == split["records"]
+        out[name] = (split["documents"], split["tokens"], sorted(records))
+    return out
+
+
+def cli(corpus, output, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "input_pipeline.prepare",
+        "--input",
+        str(corpus / "*"),
+        "--output",
+        str(output),
+        "--eval-fraction",
+        "0.1",
+        "--group-mb",
+        "0.004",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_two_parts_then_merge_equal_one_single_host_prepare(tmp_path, repo_root):
+    docs = write_corpus(tmp_path / "corpus")
+    single = tmp_path / "single"
+    assert prepare_main(cli(tmp_path / "corpus", single, "--workers", "2")[3:]) == 0
+    expected = records_of(single)
+    assert sum(d for d, _, _ in expected.values()) == len(docs)
+    assert expected["eval"][0] >= 1
+
+    parted = tmp_path / "parted"
+    one_worker = ["--workers", "1"]  # two parts on two cores
+    procs = [
+        subprocess.Popen(
+            cli(tmp_path / "corpus", parted, "--num-parts", "2", "--part", str(i), *one_worker),
+            cwd=repo_root,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+    merge = subprocess.run(
+        cli(tmp_path / "corpus", parted, "--num-parts", "2", "--merge"),
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert merge.returncode == 0, merge.stderr[-2000:]
+    assert records_of(parted) == expected
+    assert not (tmp_path / ".parted.partial").exists()
+
+
+def test_sigkilled_prepare_resumes_to_the_same_dataset(tmp_path, repo_root):
+    # Many tiny records (--max-record-tokens 4) make each group slow enough to be killed mid-way.
+    write_corpus(tmp_path / "corpus", files=8, per_file=40)
+    args = ["--max-record-tokens", "4", "--workers", "1"]
+    reference = tmp_path / "reference"
+    assert prepare_main(cli(tmp_path / "corpus", reference, *args)[3:]) == 0
+
+    output = tmp_path / "killed"
+    staging = tmp_path / ".killed.partial"
+    proc = subprocess.Popen(cli(tmp_path / "corpus", output, *args), cwd=repo_root)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(staging.glob("group-*/done.json"))) < 2:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list(staging.glob("group-*/done.json")))
+    groups = len(json.loads((staging / "plan.json").read_text())["groups"])
+    assert 2 <= done < groups, "the kill must land mid-way"
+    assert not output.exists()  # nothing that looks complete
+
+    rerun = subprocess.run(
+        cli(tmp_path / "corpus", output, *args), cwd=repo_root, capture_output=True, text=True
+    )
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"{done} of {groups} groups already done" in rerun.stderr
+    assert records_of(output) == records_of(reference)
+
+
+def test_a_corpus_without_held_out_documents_still_gets_one(tmp_path):
+    docs = [f"document {i}" for i in range(5)]
+    out = prepare_dataset(docs, tmp_path / "out", eval_fraction=1e-9, progress=False)
+    eval_documents, _, eval_records = records_of(out)["eval"]
+    assert eval_documents == 1  # the last training document moved, as before streaming
+    assert np.frombuffer(eval_records[0], np.uint8).tobytes().decode() == docs[-1]
+    assert records_of(out)["train"][0] == 4
+
+
+def test_parts_share_one_trained_sentencepiece_model(tmp_path):
+    write_corpus(tmp_path / "corpus", files=3)
+    out = tmp_path / "sp"
+    args = cli(tmp_path / "corpus", out, "--tokenizer", "sentencepiece", "--vocab-size", "300")
+    args += ["--tokenizer-sample-sentences", "200", "--num-parts", "2", "--workers", "1"]
+    assert prepare_main([*args[3:], "--part", "0"]) == 0
+    assert not out.exists()  # part 1 has not run: nothing looks complete
+    assert prepare_main([*args[3:], "--part", "1"]) == 0  # the last part to finish merges
+    info = json.loads((out / "dataset.json").read_text())
+    model = (out / "tokenizer.model").read_bytes()
+    assert info["tokenizer"]["sha256"] == hashlib.sha256(model).hexdigest()
+    assert info["vocab_size"] == 300 and info["splits"]["eval"]["documents"] >= 1
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("train", "eval"))) == [
+        "dataset.json",
+        "tokenizer.model",
+    ]

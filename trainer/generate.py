@@ -1,0 +1,280 @@
+"""Sample text from a checkpoint: `python -m trainer.generate --workdir W [--step N] --prompt
+"..." [--max-new-tokens 200 --temperature 0.8 --top-k 50 --top-p 0.95 --seed 0]`, or `--workdir
+hf:PATH` for a Hugging Face folder. One jitted function runs prefill and the whole decode loop
+over a key/value cache; the model is sharded over the available devices (`mesh.fsdp`), so a
+model larger than one device's memory still generates. `--temperature 0` is greedy."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from trainer.config import Config
+from trainer.models.decode import KVCache, decode
+from trainer.models.transformer import Transformer
+
+
+@dataclass
+class Generator:
+    """A built-in transformer sharded on `mesh`, and the tokenizer its data used (if known)."""
+
+    model: Transformer
+    mesh: jax.sharding.Mesh
+    tokenizer: Any = None
+    eos_id: int | None = None
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 200,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        top_p: float = 0.95,
+        seed: int = 0,
+    ) -> np.ndarray:
+        """`max_new_tokens` ids after `prompt_ids` (cut after the end-of-text id, if known)."""
+        if not len(prompt_ids) or max_new_tokens < 1:
+            from trainer.errors import ConfigError
+
+            raise ConfigError("generation needs a prompt of at least one token and 1+ new tokens")
+        graphdef, state = nnx.split(self.model)
+        settings = (max_new_tokens, float(temperature), top_k, float(top_p))
+        run = _compiled(graphdef, self.mesh, *settings)
+        prompt_1xP = jnp.asarray([list(prompt_ids)], jnp.int32)
+        with jax.set_mesh(self.mesh):
+            ids = np.asarray(run(state, prompt_1xP, jax.random.key(seed)))[0]
+        if self.eos_id is not None and (self.eos_id == ids).any():
+            ids = ids[: int(np.argmax(ids == self.eos_id)) + 1]
+        return ids
+
+    def complete(self, prompt: str, **settings: Any) -> str:
+        """The text a prompt continues with (needs the run's tokenizer)."""
+        ids = self.generate(self.tokenizer.encode(prompt).tolist(), **settings)
+        return self.tokenizer.decode(ids)
+
+
+def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k, top_p: float):
+    """Next tokens: argmax at temperature 0, else from the top-k / top-p (nucleus) renormalized
+    distribution at that temperature."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits_BxV = logits_BxV / temperature
+    if top_k:
+        kth_Bx1 = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+    if top_p < 1.0:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # mass of more likely tokens
+        kept_BxV = jnp.where(before_BxV < top_p, sorted_BxV, jnp.inf)
+        cutoff_Bx1 = jnp.min(kept_BxV, axis=-1, keepdims=True)  # the top token is always kept
+        logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
+    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(graphdef, mesh, max_new_tokens: int, temperature: float, top_k, top_p: float):
+    """Prefill then a `fori_loop` of one-token decode steps, jitted once per settings; the
+    tokens come back replicated, readable on every host."""
+
+    def run(state, prompt_BxP, key):
+        model = nnx.merge(graphdef, state)
+        B, P = prompt_BxP.shape
+        cache = KVCache.empty(model, B, P + max_new_tokens)
+        logits_BxPxV, cache = decode(model, prompt_BxP, jnp.int32(0), cache)
+        key, now = jax.random.split(key)
+        out_BxN = jnp.zeros((B, max_new_tokens), jnp.int32)
+        out_BxN = out_BxN.at[:, 0].set(sample(logits_BxPxV[:, -1], now, temperature, top_k, top_p))
+
+        def step(i, carry):
+            out_BxN, cache, key = carry
+            last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, i - 1, 1, axis=1)
+            logits_Bx1xV, cache = decode(model, last_Bx1, P + i - 1, cache)
+            key, now = jax.random.split(key)
+            token_B = sample(logits_Bx1xV[:, -1], now, temperature, top_k, top_p)
+            return out_BxN.at[:, i].set(token_B), cache, key
+
+        out_BxN, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out_BxN, cache, key))
+        return out_BxN
+
+    return jax.jit(run, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_generator(
+    source: str,
+    step: int | None = None,
+    compute: str | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Generator:
+    """A run's workdir (its saved config and checkpoint `step`, default the latest) or
+    `hf:PATH`, loaded onto `devices` (default all) with the parameters sharded over them."""
+    from trainer.hf import hf_folder
+
+    folder = hf_folder(source)
+    if folder is not None:
+        return _load_hf(folder, compute, devices)
+    return _load_workdir(source, step, compute, devices)
+
+
+def _generation_mesh(config: Config, devices: Sequence[jax.Device] | None):
+    """Every device on the fsdp axis (weights split along `embed`), as many as divide it."""
+    from trainer import sharding
+
+    devices = list(devices or jax.devices())
+    count = math.gcd(len(devices), config.model.d_model)
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, count, 1
+    config.mesh.rules = {}
+    return sharding.make_mesh(config.mesh, devices[:count])
+
+
+def _model_and_target(config: Config, devices):
+    """The mesh, a function building the module from params, and the params' restore target."""
+    from trainer import sharding
+    from trainer.errors import ConfigError
+    from trainer.state import abstract_model
+    from trainer.train import builder_for_vocab
+
+    if config.model.kind != "transformer":
+        raise ConfigError(f"generation needs model.kind=transformer, not {config.model.kind}")
+    config.model.dropout = 0.0
+    mesh = _generation_mesh(config, devices)
+    with jax.set_mesh(mesh):
+        skeleton, shapes, _ = abstract_model(
+            builder_for_vocab(config), mesh, sharding.resolve_rules({})
+        )
+    target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        shapes,
+        skeleton.param_shardings,
+    )
+    return mesh, lambda params: skeleton.merge(params, {}), target
+
+
+def _load_hf(folder: str, compute: str | None, devices) -> Generator:
+    from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer
+    from trainer.config import load_config
+    from trainer.hf.config import read_hf_config
+    from trainer.hf.weights import load_hf_params
+
+    overrides = [f"checkpoint.init_from=hf:{folder}"]
+    overrides += [f"precision.compute={compute}"] if compute else []
+    config = load_config(None, overrides)
+    mesh, merge, target = _model_and_target(config, devices)
+    with jax.set_mesh(mesh):
+        model = merge(load_hf_params(folder, target))
+    tokenizer = None
+    if (Path(folder) / HF_TOKENIZER_FILE).is_file():
+        tokenizer = HFTokenizer(Path(folder) / HF_TOKENIZER_FILE)
+    eos = read_hf_config(folder).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    return Generator(model, mesh, tokenizer, eos if eos is not None else _eos(tokenizer))
+
+
+def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) -> Generator:
+    from trainer.checkpoint import Checkpointer
+    from trainer.config import config_from_dict
+    from trainer.errors import TrainingError
+
+    checkpointer, _ = Checkpointer.open_existing(workdir)
+    try:
+        steps = sorted(checkpointer.manager.all_steps())
+        if step is not None and step not in steps:
+            raise TrainingError(f"{checkpointer.directory} has no step {step}; saved: {steps}")
+        step = steps[-1] if step is None else step
+        meta = checkpointer.read_meta(step)
+        config = config_from_dict(meta["config"])
+        config.model.vocab_size = meta["vocab_size"]
+        if compute:
+            config.precision.compute = compute
+        mesh, merge, target = _model_and_target(config, devices)
+        with jax.set_mesh(mesh):
+            model = merge(checkpointer.restore_params(step, target))
+    finally:
+        checkpointer.close()
+    tokenizer = run_tokenizer(config)
+    return Generator(model, mesh, tokenizer, _eos(tokenizer))
+
+
+def run_tokenizer(config: Config):
+    """The tokenizer recorded with the run's dataset, if that folder is still there."""
+    from input_pipeline.corpora import BUILTIN_CORPORA, builtin_dataset_dir
+    from input_pipeline.dataset_info import load_dataset_info
+    from input_pipeline.tokenizers import get_tokenizer
+
+    path = config.data.mixture[0].path if config.data.mixture else config.data.path
+    folder = Path(path)
+    if path in BUILTIN_CORPORA:
+        folder = builtin_dataset_dir(path, config.data.cache_dir)
+    if not (folder / "dataset.json").is_file():
+        return None
+    info = load_dataset_info(folder)
+    return get_tokenizer(info.tokenizer, folder)
+
+
+def _eos(tokenizer) -> int | None:
+    return getattr(tokenizer, "eos_id", None)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workdir", required=True, help="a run's workdir, or hf:PATH")
+    parser.add_argument("--step", type=int, default=None, help="default: the latest")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="0: no top-k cut")
+    parser.add_argument("--top-p", type=float, default=0.95, help="1: no nucleus cut")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compute", choices=["bfloat16", "float16", "float32"], default=None)
+    args = parser.parse_args(argv)
+    from input_pipeline.errors import DataError
+    from trainer.errors import ConfigError, TrainingError
+
+    try:
+        generator = load_generator(args.workdir, args.step, args.compute)
+        if generator.tokenizer is None:
+            raise DataError(
+                f"no tokenizer for {args.workdir}: a Hugging Face folder needs tokenizer.json, "
+                "a run its dataset folder (data.path)"
+            )
+        text = generator.complete(
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    except (ConfigError, DataError, TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(args.prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

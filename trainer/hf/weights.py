@@ -1,0 +1,166 @@
+"""Tensor names and layouts between a Hugging Face Llama and the built-in transformer.
+
+Ours stacks layers (`blocks/...` is `[layers, ...]`) and stores `nnx.Linear` kernels `[in, out]`,
+the transpose of Hugging Face's `[out, in]` weights; nothing else differs (same rotate-half
+rotary, no permutation). Import reads each tensor slice by slice straight into its sharded
+layout, so a host only ever reads its own shards; export writes host copies to safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from trainer.errors import ConfigError
+
+# our parameter path -> (Hugging Face name, stacked over layers, stored transposed)
+_LAYER = "model.layers.{i}."
+NAMES: dict[tuple[str, ...], tuple[str, bool, bool]] = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", False, False),
+    ("final_norm", "scale"): ("model.norm.weight", False, False),
+    ("lm_head", "kernel"): ("lm_head.weight", False, True),
+    ("blocks", "attn_norm", "scale"): (_LAYER + "input_layernorm.weight", True, False),
+    ("blocks", "mlp_norm", "scale"): (_LAYER + "post_attention_layernorm.weight", True, False),
+    ("blocks", "attn", "q", "kernel"): (_LAYER + "self_attn.q_proj.weight", True, True),
+    ("blocks", "attn", "k", "kernel"): (_LAYER + "self_attn.k_proj.weight", True, True),
+    ("blocks", "attn", "v", "kernel"): (_LAYER + "self_attn.v_proj.weight", True, True),
+    ("blocks", "attn", "out", "kernel"): (_LAYER + "self_attn.o_proj.weight", True, True),
+    ("blocks", "mlp", "gate", "kernel"): (_LAYER + "mlp.gate_proj.weight", True, True),
+    ("blocks", "mlp", "up", "kernel"): (_LAYER + "mlp.up_proj.weight", True, True),
+    ("blocks", "mlp", "down", "kernel"): (_LAYER + "mlp.down_proj.weight", True, True),
+}
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 2**30  # as `save_pretrained` shards by default
+
+
+def _path_of(keypath) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in keypath)
+
+
+class SafetensorsFolder:
+    """Every tensor of a folder's `*.safetensors` files (sharded or not), opened lazily."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"hf:{folder} has no *.safetensors files; download the weights")
+        self._files = [safe_open(str(f), framework="np") for f in files]
+        self._where = {name: f for f in self._files for name in f.keys()}  # noqa: SIM118
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Only the slice `index` of tensor `name` is read from disk."""
+        return self._where[name].get_slice(name)[index]
+
+
+def _read_block(
+    source: SafetensorsFolder, name: str, stacked: bool, transposed: bool, index, dtype
+) -> np.ndarray:
+    """Our array's block at `index` (a device shard), read from the matching HF slices."""
+    index = tuple(index)
+
+    def one(name: str, sub: tuple[slice, ...]) -> np.ndarray:
+        block = source.read(name, sub[::-1] if transposed else sub)
+        return (block.T if transposed else block).astype(dtype)
+
+    if not stacked:
+        return one(name, index)
+    layers = range(*index[0].indices(_layers_of(source, name)))
+    return np.stack([one(name.format(i=i), index[1:]) for i in layers])
+
+
+def _layers_of(source: SafetensorsFolder, template: str) -> int:
+    count = 0
+    while template.format(i=count) in source:
+        count += 1
+    return count
+
+
+def load_hf_params(folder: str | Path, target: Any) -> Any:
+    """Parameters shaped like `target` (ShapeDtypeStructs with shardings), each tensor read
+    shard by shard from `folder`'s safetensors into its sharded layout."""
+    source = SafetensorsFolder(folder)
+
+    def load(keypath, leaf):
+        path = _path_of(keypath)
+        if path not in NAMES:
+            raise ConfigError(f"parameter {'/'.join(path)} has no Hugging Face counterpart")
+        name, stacked, transposed = NAMES[path]
+        if path == ("lm_head", "kernel") and name not in source:
+            raise ConfigError(
+                f"hf:{folder} has no {name} (tied embeddings); set model.tie_embeddings=true"
+            )
+        _check_shape(source, name, stacked, transposed, leaf.shape, folder)
+        return jax.make_array_from_callback(
+            leaf.shape,
+            leaf.sharding,
+            lambda index: _read_block(source, name, stacked, transposed, index, leaf.dtype),
+        )
+
+    return jax.tree_util.tree_map_with_path(load, target)
+
+
+def _check_shape(source, name, stacked, transposed, shape, folder) -> None:
+    """One line naming the tensor whose shape the model config does not match."""
+    first = name.format(i=0)
+    if first not in source:
+        raise ConfigError(f"hf:{folder} has no tensor {first}; is it a Llama checkpoint?")
+    theirs = source.shape(first)
+    ours = tuple(shape[1:] if stacked else shape)
+    if (theirs[::-1] if transposed else theirs) != ours or (
+        stacked and _layers_of(source, name) != shape[0]
+    ):
+        raise ConfigError(
+            f"hf:{folder} tensor {first} has shape {list(theirs)}, the model expects "
+            f"{list(ours[::-1] if transposed else ours)}; leave model.* unset to follow config.json"
+        )
+
+
+def hf_tensors(params: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """`(Hugging Face name, host array)` for every parameter, layer by layer."""
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name, stacked, transposed = NAMES[_path_of(keypath)]
+        host = np.asarray(jax.device_get(leaf))
+        blocks = enumerate(host) if stacked else [(0, host)]
+        for i, block in blocks:
+            yield name.format(i=i), np.ascontiguousarray(block.T if transposed else block)
+
+
+def save_hf_weights(params: Any, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Safetensors files in `out` (sharded with an index above `max_shard_bytes`, as
+    `save_pretrained` does); returns the file names."""
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in sorted(hf_tensors(params)):
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(files, shards, strict=True):
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(a.nbytes for shard in shards for a in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    return files
