@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
-from trainer.config import CheckpointConfig
+from trainer.config import CheckpointConfig, Config, config_from_dict
 from trainer.errors import ConfigError, TrainingError
 from trainer.state import TrainState
 
@@ -223,6 +223,20 @@ class Checkpointer:
         """The run's metadata saved with `step` (config, dataset fingerprint, shapes)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return restored.meta
+
+    def run_config(self, step: int) -> Config:
+        """The config the run saved with `step`, its vocabulary filled in: the model to rebuild
+        (export, generate)."""
+        meta = self.read_meta(step)
+        config = config_from_dict(meta["config"])
+        config.model.vocab_size = meta["vocab_size"]
+        return config
+
+    def require_step(self, step: int | None) -> None:
+        """A step the caller asked for by number must have been saved (None: any)."""
+        saved = sorted(self.manager.all_steps())
+        if step is not None and step not in saved:
+            raise TrainingError(f"{self.directory} has no step {step}; saved steps: {saved}")
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict | None]:
         """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load)."""

@@ -20,7 +20,6 @@ import orbax.checkpoint as ocp
 
 from input_pipeline.errors import DataError
 from trainer.checkpoint import Checkpointer
-from trainer.config import config_from_dict
 from trainer.errors import ConfigError, TrainingError
 
 
@@ -31,11 +30,7 @@ def export_params(
     `format="hf"`, a Hugging Face Llama folder: `trainer/hf/export.py`)."""
     checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
-        if step is not None and step not in checkpointer.manager.all_steps():
-            raise TrainingError(
-                f"{checkpointer.directory} has no step {step}; saved steps: "
-                f"{sorted(checkpointer.manager.all_steps())}"
-            )
+        checkpointer.require_step(step)
         restored, params = checkpointer.restore_newest(
             lambda step: _restore_params(checkpointer, step),
             steps=None if step is None else [step],
@@ -60,10 +55,7 @@ def export_params(
 
 def _restore_params(checkpointer: Checkpointer, step: int):
     """The parameters of `step`, shaped by the model config saved with it."""
-    meta = checkpointer.read_meta(step)
-    config = config_from_dict(meta["config"])
-    config.model.vocab_size = meta["vocab_size"]
-    return checkpointer.restore_params(step, _abstract_params(config))
+    return checkpointer.restore_params(step, _abstract_params(checkpointer.run_config(step)))
 
 
 def _abstract_params(config):

@@ -188,18 +188,12 @@ def _load_hf(folder: str, compute: str | None, devices) -> Generator:
 
 def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) -> Generator:
     from trainer.checkpoint import Checkpointer
-    from trainer.config import config_from_dict
-    from trainer.errors import TrainingError
 
-    checkpointer, _ = Checkpointer.open_existing(workdir)
+    checkpointer, latest = Checkpointer.open_existing(workdir)
     try:
-        steps = sorted(checkpointer.manager.all_steps())
-        if step is not None and step not in steps:
-            raise TrainingError(f"{checkpointer.directory} has no step {step}; saved: {steps}")
-        step = steps[-1] if step is None else step
-        meta = checkpointer.read_meta(step)
-        config = config_from_dict(meta["config"])
-        config.model.vocab_size = meta["vocab_size"]
+        checkpointer.require_step(step)
+        step = latest if step is None else step
+        config = checkpointer.run_config(step)
         if compute:
             config.precision.compute = compute
         mesh, merge, target = _model_and_target(config, devices)
