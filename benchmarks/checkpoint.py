@@ -26,8 +26,8 @@ import time
 
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
-import numpy as np
 
+from benchmarks._synthetic import synthetic_batch
 from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
@@ -36,16 +36,7 @@ from trainer.train import builder_for_vocab
 
 
 def batch_for(config, vocab_size: int, sharding_) -> dict:
-    B, L = config.data.global_batch_size, config.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, vocab_size, (B, L + 1)).astype(np.int32)
-    host = {
-        "inputs": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "segment_ids": np.ones((B, L), np.int32),
-        "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
-        "weights": np.ones((B, L), np.float32),
-    }
-    return jax.device_put(host, sharding_)
+    return jax.device_put(synthetic_batch(config, vocab_size), sharding_)
 
 
 def timed_steps(step, state, batch, count: int) -> tuple[object, list[float]]:

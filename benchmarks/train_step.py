@@ -28,8 +28,8 @@ from pathlib import Path
 
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
-import numpy as np
 
+from benchmarks._synthetic import synthetic_batch
 from trainer import sharding
 from trainer.config import Config, load_config
 from trainer.data import lm_batches, load_dataset
@@ -46,18 +46,6 @@ def builder(config: Config, vocab_size: int):
         compute_dtype=config.precision.compute,
         param_dtype=config.precision.params,
     )
-
-
-def synthetic_batch(config: Config, vocab_size: int) -> dict[str, np.ndarray]:
-    B, L = config.data.global_batch_size, config.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, vocab_size, (B, L + 1)).astype(np.int32)
-    return {
-        "inputs": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "segment_ids": np.ones((B, L), np.int32),
-        "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
-        "weights": np.ones((B, L), np.float32),
-    }
 
 
 def compile_seconds(config_path: str, num_layers: int) -> float:

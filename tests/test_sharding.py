@@ -10,8 +10,8 @@ from trainer.errors import ConfigError
 
 
 def test_fill_axis_takes_the_remaining_devices():
-    assert sharding.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
-    assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1), 8) == (1, 8, 1)
+    assert sharding.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == (1, 2, 2, 2)
+    assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, tensor=1), 8) == (1, 1, 8, 1)
 
 
 @pytest.mark.parametrize(
@@ -29,13 +29,15 @@ def test_mesh_errors_name_the_fix(mesh, message):
 def test_make_mesh_uses_all_devices():
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     assert mesh.devices.size == len(jax.devices()) == 8
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
 
 
 def test_logical_rules_map_and_never_reuse_an_axis():
     rules = sharding.resolve_rules({"kv": "tensor"})
     assert sharding.logical_to_mesh(P("embed", "mlp"), rules) == P("fsdp", "tensor")
-    assert sharding.logical_to_mesh(P("layers", "embed", "kv"), rules) == P(None, "fsdp", "tensor")
+    assert sharding.logical_to_mesh(P("layers", "embed", "kv"), rules) == P(
+        "stage", "fsdp", "tensor"
+    )
     # heads and kv both map to tensor: the second use is dropped, never duplicated
     assert sharding.logical_to_mesh(P("heads", "kv"), rules) == P("tensor", None)
 

@@ -153,7 +153,8 @@ def test_state_is_sharded_as_the_rules_say():
     program = program_for((1, 4, 2))
     state = program.init()
     kernel = state.params["blocks"]["mlp"]["up"]["kernel"]  # [layers, embed, mlp]
-    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    # layers over the (here single) pipeline stage, the model width over fsdp, MLP over tensor
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp", "tensor")
     mu = state.opt_state[1][0].mu["blocks"]["mlp"]["up"]["kernel"]
     assert mu.sharding.spec == kernel.sharding.spec  # optimizer moments follow the parameter
     assert kernel.addressable_shards[0].data.shape == (2, 64 // 4, 128 // 2)

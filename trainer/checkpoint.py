@@ -239,7 +239,10 @@ class Checkpointer:
             raise TrainingError(f"{self.directory} has no step {step}; saved steps: {saved}")
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict | None]:
-        """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load)."""
+        """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load), memory
+        kinds included: offloaded parts (`trainer.offload`) are read straight into pinned host
+        memory, never through the device memory they were offloaded to spare (orbax 0.12
+        passes the memory kind through: no memory-kind mismatch, tests/test_offload.py)."""
         self._check_shapes(step, target.params)
         restored = self.manager.restore(
             step,

@@ -78,7 +78,12 @@ class ModelConfig(_Section):
     rope_scaling: dict[str, Any] | None = None
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     tie_embeddings: bool = False
-    remat: Literal["none", "full", "save_dots"] = "none"
+    # full: recompute each layer in the backward pass; save_dots: keep the matmul outputs;
+    # offload_dots: keep them in pinned host memory instead of device memory
+    remat: Literal["none", "full", "save_dots", "offload_dots"] = "none"
+    # ZeRO-Offload: the float32 master parameters live in pinned host memory between steps; the
+    # step moves them in, and the updated ones back out (trainer/offload.py)
+    offload_params: bool = False
     # false: a Python loop over the layers (compile time grows with depth; for shallow models
     # on CPU, where the scan's stacked residual buffers and per-layer slicing cost time:
     # BENCHMARKS.md, nanoGPT recipe)
@@ -133,6 +138,9 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
 
 
 class MeshConfig(_Section):
+    # Pipeline stages: the layer stack is cut into `stage` contiguous pieces, one per group of
+    # devices, and microbatches flow through them (trainer/pipeline.py, `pipeline.*`)
+    stage: int = Field(1, ge=1)
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
@@ -149,6 +157,14 @@ class MeshConfig(_Section):
         if sum(v == -1 for v in sizes.values()) > 1:
             raise ValueError("more than one mesh axis is -1; only one axis may fill the rest")
         return self
+
+
+class PipelineConfig(_Section):
+    """How batches flow through `mesh.stage` pipeline stages (GPipe schedule)."""
+
+    # Microbatches each batch (each accumulation microbatch) is cut into; at least mesh.stage.
+    # The idle share of a step is (stage-1)/(microbatches+stage-1). None: 2 x mesh.stage
+    microbatches: int | None = Field(None, ge=1)
 
 
 class PrecisionConfig(_Section):
@@ -186,6 +202,9 @@ class OptimConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     accum_steps: int = Field(1, ge=1)
     skip_nonfinite: bool = False
+    # ZeRO-Offload: the optimizer state (Adam moments) lives in pinned host memory between
+    # steps; the step moves it in for the update and back out (trainer/offload.py)
+    offload: bool = False
 
 
 class CheckpointConfig(_Section):
@@ -237,6 +256,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -256,7 +276,29 @@ class Config(_Section):
                 f"data.seq_len={self.data.seq_len} is longer than model.max_seq_len={max_len}; "
                 "lower data.seq_len or raise model.max_seq_len"
             )
+        self._check_pipeline()
         return self
+
+    def _check_pipeline(self) -> None:
+        stages = self.mesh.stage
+        if stages == 1:
+            return
+        microbatches = self.pipeline_microbatches
+        if microbatches < stages:
+            raise ValueError(
+                f"pipeline.microbatches={microbatches} is fewer than mesh.stage={stages}; "
+                f"use at least {stages} (the idle share is (stages-1)/(microbatches+stages-1))"
+            )
+        if self.model.kind == "transformer" and self.model.num_layers % stages:
+            raise ValueError(
+                f"model.num_layers={self.model.num_layers} does not split into mesh.stage="
+                f"{stages} equal stages; use a stage count that divides the layer count"
+            )
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches per pipelined batch: `pipeline.microbatches`, default 2 x stages."""
+        return self.pipeline.microbatches or 2 * self.mesh.stage
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict with the YAML spelling of every key (e.g. `checkpoint.async`)."""

@@ -47,17 +47,26 @@ def stream_count(config: Config) -> int:
 
 
 def check_batch_layout(
-    global_batch_size: int, accum_steps: int, batch_shards: int = 1, streams: int = 1
+    global_batch_size: int,
+    accum_steps: int,
+    batch_shards: int = 1,
+    streams: int = 1,
+    microbatches: int = 1,
 ) -> None:
     """Every cut of the global batch must come out whole: into `accum_steps` microbatches, each
-    split over the mesh's `batch_shards` (data*fsdp) devices, and into `streams` input streams;
-    one line naming what does not divide and the nearest batch size that does."""
+    into `microbatches` pipeline microbatches, each split over the mesh's `batch_shards`
+    (data*fsdp) devices, and into `streams` input streams; one line naming what does not divide
+    and the nearest batch size that does."""
     problems = []
-    if global_batch_size % accum_steps:
-        problems.append(f"is not divisible by optim.accum_steps={accum_steps}")
-    elif (global_batch_size // accum_steps) % batch_shards:
+    cut = accum_steps * microbatches
+    what = f"optim.accum_steps={accum_steps}" + (
+        f" x pipeline.microbatches={microbatches}" if microbatches > 1 else ""
+    )
+    if global_batch_size % cut:
+        problems.append(f"is not divisible by {what}")
+    elif (global_batch_size // cut) % batch_shards:
         problems.append(
-            f"/ optim.accum_steps={accum_steps} = {global_batch_size // accum_steps} rows do not "
+            f"/ {what} = {global_batch_size // cut} rows do not "
             f"split over mesh data*fsdp={batch_shards}"
         )
     if global_batch_size % streams:
@@ -65,10 +74,11 @@ def check_batch_layout(
             f"is not divisible by {streams} data streams (data.streams, or the process count)"
         )
     if problems:
-        rows = accum_steps * batch_shards
+        rows = cut * batch_shards
         multiple = math.lcm(rows, streams)
         nearest = -(-global_batch_size // multiple) * multiple
-        why = [f"optim.accum_steps x mesh data*fsdp = {rows}"] if rows > 1 else []
+        pipelined = " x pipeline.microbatches" if microbatches > 1 else ""
+        why = [f"optim.accum_steps{pipelined} x mesh data*fsdp = {rows}"] if rows > 1 else []
         why += [f"{streams} data streams"] if streams > 1 else []
         raise ConfigError(
             f"data.global_batch_size={global_batch_size} "

@@ -64,7 +64,7 @@ def _abstract_params(config):
     from trainer.program import build_program
     from trainer.train import builder_for_vocab
 
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+    config.mesh.stage, config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1, 1
     mesh = sharding.make_mesh(config.mesh)
     return build_program(config, mesh, builder_for_vocab(config)).abstract_state().params
 

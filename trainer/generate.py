@@ -138,7 +138,7 @@ def _generation_mesh(config: Config, devices: Sequence[jax.Device] | None):
 
     devices = list(devices or jax.devices())
     count = math.gcd(len(devices), config.model.d_model)
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, count, 1
+    config.mesh.stage, config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, count, 1
     config.mesh.rules = {}
     return sharding.make_mesh(config.mesh, devices[:count])
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from trainer import sharding
 from trainer.config import Config
 from trainer.loss_scale import LossScaling
+from trainer.offload import Offload
 from trainer.optimizer import decay_mask, make_optimizer
 from trainer.state import (
     TrainState,
@@ -93,7 +94,16 @@ def build_program(
             config.optim, config.run.steps, mask=decay_mask(skeleton.param_specs)
         )
         scaling = LossScaling.from_config(config.precision)
-        shardings = state_shardings(skeleton, tx, abstract_params, mesh, scaling)
+        shardings = state_shardings(
+            skeleton,
+            tx,
+            abstract_params,
+            mesh,
+            scaling,
+            offload_params=config.model.offload_params,
+            offload_opt_state=config.optim.offload,
+        )
+        offload = Offload.of(shardings)  # None without offload: no copies compiled in
         batch_sharding = sharding.batch_sharding(mesh)
         train_step, eval_step = jit_steps(
             make_train_step(
@@ -104,8 +114,9 @@ def build_program(
                 config.optim.accum_steps,
                 skip_nonfinite=config.optim.skip_nonfinite,
                 scaling=scaling,
+                offload=offload,
             ),
-            make_eval_step(skeleton, loss_fn),
+            make_eval_step(skeleton, loss_fn, offload),
             shardings,
             batch_sharding,
         )

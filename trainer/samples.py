@@ -13,6 +13,7 @@ import jax
 from trainer.config import Config
 from trainer.generate import Generator, run_tokenizer
 from trainer.metrics import MetricsWriter
+from trainer.offload import to_device_memory
 from trainer.state import TrainState
 
 SAMPLES_FILE = "samples.jsonl"
@@ -30,7 +31,8 @@ class Sampler:
         self.tokenizer = run_tokenizer(config)
 
     def __call__(self, step: int, state: TrainState) -> None:
-        model = self.merge(state.params, state.model_state)
+        # offloaded parameters (model.offload_params) decode from a copy in device memory
+        model = self.merge(to_device_memory(state.params), state.model_state)
         generator = Generator(
             model, self.mesh, self.tokenizer, getattr(self.tokenizer, "eos_id", None)
         )

@@ -1,7 +1,9 @@
 """The device mesh and the one rules table that maps logical axis names to mesh axes.
 
 Layers name their parameter axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`, `layers`);
-which mesh axis shards each name is data (`mesh.rules` in the config), never code.
+which mesh axis shards each name is data (`mesh.rules` in the config), never code. The `stage`
+axis comes first: pipeline stages talk least (one activation per microbatch), so they may sit
+across the slowest links, between nodes.
 """
 
 from __future__ import annotations
@@ -15,25 +17,31 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from trainer.config import MeshConfig
 from trainer.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # FSDP shards every weight along its model-width axis; tensor parallelism splits attention heads
-# and the MLP hidden axis (column-parallel in, row-parallel out). Unlisted names are replicated.
+# and the MLP hidden axis (column-parallel in, row-parallel out); the stacked layer axis is cut
+# into contiguous pipeline stages (a no-op at mesh.stage=1). Unlisted names are replicated.
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "mlp": "tensor",
     "heads": "tensor",
     "kv": None,
     "vocab": "tensor",
-    "layers": None,
+    "layers": "stage",
     "norm": None,
 }
 
 
-def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
     """Resolve the one -1 axis and check the product matches the devices, naming the fix."""
-    sizes = {"data": config.data, "fsdp": config.fsdp, "tensor": config.tensor}
+    sizes = {
+        "stage": config.stage,
+        "data": config.data,
+        "fsdp": config.fsdp,
+        "tensor": config.tensor,
+    }
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [k for k, v in sizes.items() if v == -1]
     if fill:
@@ -47,17 +55,23 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     elif fixed != num_devices:
         raise ConfigError(
             f"mesh {_fmt(sizes)} needs {fixed} devices but {num_devices} are present; "
-            "make mesh.data*mesh.fsdp*mesh.tensor equal the device count, or set one axis to -1"
+            f"make {'*'.join(f'mesh.{k}' for k in _shown(sizes))} equal the device count, or "
+            "set one axis to -1"
         )
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return sizes["stage"], sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _shown(sizes: Mapping[str, int]) -> dict[str, int]:
+    """The axes worth naming in a message: an unused pipeline axis is left out."""
+    return {k: v for k, v in sizes.items() if k != "stage" or v != 1}
 
 
 def _fmt(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"mesh.{k}={v}" for k, v in sizes.items())
+    return ", ".join(f"mesh.{k}={v}" for k, v in _shown(sizes).items())
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes, so GSPMD annotations propagate."""
+    """A (stage, data, fsdp, tensor) mesh with Auto axes, so GSPMD annotations propagate."""
     devices = list(devices if devices is not None else jax.devices())
     shape = mesh_shape(config, len(devices))
     return jax.make_mesh(

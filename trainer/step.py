@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.loss_scale import LossScaling
+from trainer.offload import Offload
 from trainer.sharding import BATCH_AXES
 from trainer.state import ModelSkeleton, TrainState
 
@@ -65,6 +66,7 @@ def make_train_step(
     accum_steps: int = 1,
     skip_nonfinite: bool = False,
     scaling: LossScaling | None = None,
+    offload: Offload | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure step: forward/backward (accumulated over microbatches), clip, AdamW update.
 
@@ -72,7 +74,8 @@ def make_train_step(
     optimizer state untouched (reported as `skipped=1`) instead of poisoning them. With
     `scaling` (float16 compute), the loss is scaled before the backward pass and the gradients
     unscaled after accumulation; a step whose gradients overflowed is skipped the same way and
-    the scale adjusted (`trainer.loss_scale`). Without it, no scaling code is compiled in."""
+    the scale adjusted (`trainer.loss_scale`). Without it, no scaling code is compiled in. With
+    `offload`, the state's host-resting parts are copied in first and the new ones out last."""
 
     def loss_and_state(params, model_state, batch, loss_scale):
         model = skeleton.merge(params, model_state)
@@ -115,6 +118,8 @@ def make_train_step(
         return grads, loss_sum, weight_sum, model_state
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        if offload is not None:
+            state = offload.to_device(state)
         loss_scale = None if scaling is None else state.loss_scale.scale
         grads, loss_sum, weight_sum, model_state = accumulate(
             state.params, state.model_state, batch, loss_scale
@@ -157,6 +162,8 @@ def make_train_step(
             opt_state=opt_state,
             loss_scale=new_loss_scale,
         )
+        if offload is not None:
+            new_state = offload.to_host(new_state)
         return new_state, metrics
 
     return train_step
@@ -167,11 +174,13 @@ def _all_finite(tree) -> jax.Array:
 
 
 def make_eval_step(
-    skeleton: ModelSkeleton, loss_fn: LossFn = next_token_loss
+    skeleton: ModelSkeleton, loss_fn: LossFn = next_token_loss, offload: Offload | None = None
 ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
     """Weighted loss sums, so an eval over several batches averages every token once."""
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+        if offload is not None:
+            state = offload.to_device(state)  # parameters; the unused rest is never copied
         model = skeleton.merge(state.params, state.model_state)
         loss, aux = loss_fn(model, batch)
         weight = _weight(aux, batch)

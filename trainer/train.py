@@ -27,6 +27,7 @@ from trainer.hf import hf_folder
 from trainer.loop import Loop, RunResult
 from trainer.metrics import MetricsWriter
 from trainer.models import build_model
+from trainer.pipeline import PipelineSpec
 from trainer.program import TrainProgram, build_program
 from trainer.samples import make_sampler
 from trainer.state import TrainState
@@ -66,7 +67,15 @@ def builder_for_vocab(config: Config, vocab_size: int | None = None):
         vocab_size=vocab_size or config.model.vocab_size,
         compute_dtype=config.precision.compute,
         param_dtype=config.precision.params,
+        pipeline=pipeline_spec(config),
     )
+
+
+def pipeline_spec(config: Config) -> PipelineSpec | None:
+    """The pipeline `mesh.stage` and `pipeline.*` ask for; None without stages."""
+    if config.mesh.stage == 1:
+        return None
+    return PipelineSpec(config.mesh.stage, config.pipeline_microbatches)
 
 
 def run_metadata(config: Config, sources: DataSources, params: Any) -> dict[str, Any]:
@@ -107,11 +116,18 @@ def _run(
     primary = jax.process_index() == 0
     mesh = sharding.make_mesh(config.mesh)
     ours = data is None  # a caller's batches: only their split into microbatches is ours
+    pipeline = pipeline_spec(config)
+    if pipeline is not None and model is not None:
+        raise ConfigError(
+            f"mesh.stage={pipeline.stages} splits the built-in transformer's layer stack; a "
+            "model passed to trainer.run is not split into stages: use mesh.stage=1"
+        )
     check_batch_layout(
         config.data.global_batch_size,
         config.optim.accum_steps,
         batch_shards=mesh.shape["data"] * mesh.shape["fsdp"] if ours else 1,
         streams=stream_count(config) if ours else 1,
+        microbatches=pipeline.microbatches if pipeline else 1,
     )
     sources = dataset_sources(config) if ours else user_sources(data, eval_data)
     if model is None:
@@ -144,9 +160,15 @@ def _run(
             f"resuming from {checkpointer.directory / str(start_step)} (step {start_step})"
         )
     else:
+        staged = (
+            ""
+            if pipeline is None
+            else f"; pipeline {pipeline.stages} stages x {pipeline.microbatches} microbatches "
+            f"(bubble {pipeline.bubble:.1%} of each step)"
+        )
         writer.message(
             f"{config.run.name}: model {program.num_params / 1e6:.2f}M parameters; "
-            f"mesh {dict(mesh.shape)}; data {sources.description}"
+            f"mesh {dict(mesh.shape)}{staged}; data {sources.description}"
         )
     vocab_size = config.model.vocab_size or sources.vocab_size
     builtin = model is None and config.model.kind == "transformer"

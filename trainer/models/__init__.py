@@ -17,19 +17,26 @@ from flax import nnx
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.transformer import Transformer, TransformerSpec
+from trainer.pipeline import PipelineSpec
 
 ModelFactory = Callable[..., nnx.Module]
 
 
 def build_transformer(
-    config: ModelConfig, *, vocab_size: int, rngs: nnx.Rngs, compute_dtype, param_dtype
+    config: ModelConfig,
+    *,
+    vocab_size: int,
+    rngs: nnx.Rngs,
+    compute_dtype,
+    param_dtype,
+    pipeline: PipelineSpec | None = None,
 ) -> Transformer:
-    """The built-in decoder-only transformer."""
+    """The built-in decoder-only transformer (its layer stack pipelined when `pipeline` is set)."""
     if config.args:
         raise ConfigError(
             f"model.args {sorted(config.args)} are not used by model.kind=transformer; remove them"
         )
-    spec = TransformerSpec.from_config(config, vocab_size, compute_dtype, param_dtype)
+    spec = TransformerSpec.from_config(config, vocab_size, compute_dtype, param_dtype, pipeline)
     return Transformer(spec, rngs=rngs)
 
 
@@ -60,11 +67,26 @@ def resolve_factory(kind: str) -> ModelFactory:
 
 
 def build_model(
-    config: ModelConfig, *, vocab_size: int, rngs: nnx.Rngs, compute_dtype: Any, param_dtype: Any
+    config: ModelConfig,
+    *,
+    vocab_size: int,
+    rngs: nnx.Rngs,
+    compute_dtype: Any,
+    param_dtype: Any,
+    pipeline: PipelineSpec | None = None,
 ) -> nnx.Module:
     """Build the configured model. Eager sharding is off: parameters carry *logical* axis names,
-    which only `trainer.sharding` can map to mesh axes (the trainer places them itself)."""
+    which only `trainer.sharding` can map to mesh axes (the trainer places them itself).
+    Pipeline stages exist for the built-in transformer only: its stacked layers are what the
+    stages split."""
     factory = resolve_factory(config.kind)
+    if pipeline is not None and factory is not build_transformer:
+        raise ConfigError(
+            f"mesh.stage={pipeline.stages} splits the built-in transformer's layer stack into "
+            f"pipeline stages; model.kind={config.kind} has none: use mesh.stage=1 (and "
+            "mesh.fsdp / mesh.tensor to split the model)"
+        )
+    extra = {} if pipeline is None else {"pipeline": pipeline}
     with nnx.use_eager_sharding(False):
         return factory(
             config,
@@ -72,4 +94,5 @@ def build_model(
             rngs=rngs,
             compute_dtype=jnp.dtype(compute_dtype),
             param_dtype=jnp.dtype(param_dtype),
+            **extra,
         )

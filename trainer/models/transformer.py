@@ -20,6 +20,8 @@ from trainer.models.attention import device_facts
 from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
 from trainer.models.matmul import BF16_DOT, linear_dot_general
 from trainer.models.rope import RopeScaling, freeze_scaling
+from trainer.offload import offload_dots_policy
+from trainer.pipeline import PipelineSpec, run_pipeline
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -28,6 +30,8 @@ _REMAT_POLICIES = {
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(BF16_DOT),
     ),
+    # what save_dots keeps, kept in pinned host memory instead of device memory
+    "offload_dots": offload_dots_policy(BF16_DOT),
 }
 
 
@@ -52,6 +56,7 @@ class TransformerSpec:
     norm_eps: float = 1e-6
     head_dim: int | None = None  # None: d_model // num_heads (filled in by __post_init__)
     rope_scaling: RopeScaling | None = None
+    pipeline: PipelineSpec | None = None  # layers split into stages over the `stage` mesh axis
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -64,7 +69,12 @@ class TransformerSpec:
 
     @classmethod
     def from_config(
-        cls, config: ModelConfig, vocab_size: int, compute_dtype, param_dtype
+        cls,
+        config: ModelConfig,
+        vocab_size: int,
+        compute_dtype,
+        param_dtype,
+        pipeline: PipelineSpec | None = None,
     ) -> TransformerSpec:
         """The shape and numerics `model.*` describes (custom blocks reuse it too)."""
         return cls(
@@ -85,6 +95,7 @@ class TransformerSpec:
             attention=config.attention,
             compute_dtype=compute_dtype,
             param_dtype=param_dtype,
+            pipeline=pipeline,
         )
 
 
@@ -167,28 +178,40 @@ class Transformer(nnx.Module):
         """One scan over the stacked layers: the step compiles one block, whatever the depth.
         With `scan_layers=False`, a loop over static slices of the same stacked parameters (same
         checkpoints): no stacked residual buffers to zero and slice per layer, which is faster
-        for shallow models on CPU (BENCHMARKS.md, nanoGPT recipe); compile time grows with depth."""
+        for shallow models on CPU (BENCHMARKS.md, nanoGPT recipe); compile time grows with depth.
+        With pipeline stages, each stage runs its contiguous share of the layers that way on one
+        microbatch at a time (`trainer/pipeline.py`)."""
         graphdef, stacked = nnx.split(self.blocks)
         stacked = _matrices_in(self.spec.compute_dtype, stacked)
         layer_keys = None
         if self.dropout_rngs is not None:
             layer_keys = jax.random.split(self.dropout_rngs.dropout(), self.spec.num_layers)
 
-        def body(x, layer):
-            state, key = layer
-            block = nnx.merge(graphdef, state)
-            return block(x, layout, key), None
-
         policy = _REMAT_POLICIES.get(self.spec.remat)
-        if policy is not None:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        if self.spec.scan_layers:
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, layer_keys))
-            return x_BxLxD
-        for index in range(self.spec.num_layers):
-            layer = jax.tree.map(lambda a, i=index: a[i], (stacked, layer_keys))
-            x_BxLxD, _ = body(x_BxLxD, layer)
-        return x_BxLxD
+
+        def run_layers(x, layers, layout: PackedLayout):
+            def body(x, layer):
+                state, key = layer
+                return nnx.merge(graphdef, state)(x, layout, key), None
+
+            if policy is not None:
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            if self.spec.scan_layers:
+                return jax.lax.scan(body, x, layers)[0]
+            for index in range(jax.tree.leaves(layers)[0].shape[0]):
+                x, _ = body(x, jax.tree.map(lambda a, i=index: a[i], layers))
+            return x
+
+        if self.spec.pipeline is None:
+            return run_layers(x_BxLxD, (stacked, layer_keys), layout)
+
+        def stage(stage_layers, x, layout_rows, microbatch):
+            state, keys = stage_layers
+            if keys is not None:  # each microbatch its own dropout masks
+                keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, microbatch)
+            return run_layers(x, (state, keys), layout_rows)
+
+        return run_pipeline(stage, (stacked, layer_keys), x_BxLxD, layout, self.spec.pipeline)
 
 
 def _matrices_in(compute_dtype, stacked):

@@ -1,0 +1,171 @@
+"""ZeRO-Offload: optimizer state (`optim.offload`) and fp32 master parameters
+(`model.offload_params`) rest in pinned host memory between steps.
+
+The one module that knows memory kinds. The state's shardings say where each leaf rests
+(`at_rest`); the jitted step moves the resting-on-host leaves into device memory and the updated
+ones back (`Offload`), so XLA schedules the copies; `device_bytes` reads a compiled step's
+device-memory need. Checkpoints restore straight into the at-rest shardings.
+
+XLA:CPU has one memory: it keeps the host-kind arguments and outputs but compiles the copies
+inside a step (and remat offloads) to nothing, so on CPU only the at-rest placement is real.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.ad_checkpoint import Recompute
+from jax.sharding import Sharding
+
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:  # trainer.state builds its shardings with `at_rest`
+    from trainer.state import TrainState
+
+PyTree = Any
+DEVICE = "device"
+HOST = "pinned_host"  # page-locked: the device copies it by DMA, without a staging buffer
+
+
+def _on_host(sharding: Sharding | None) -> bool:
+    return sharding is not None and sharding.memory_kind == HOST
+
+
+def _in(kind: str, shardings: PyTree) -> PyTree:
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def at_rest(shardings: TrainState, *, params: bool, opt_state: bool) -> TrainState:
+    """`shardings` with the parameters and/or the optimizer state (every leaf of it, counters
+    included) in pinned host memory; step, model state and loss scale stay on the device."""
+    for key, wanted in (("model.offload_params", params), ("optim.offload", opt_state)):
+        if wanted:
+            _check_host_memory(shardings.step, key)
+    return shardings.replace(
+        params=_in(HOST, shardings.params) if params else shardings.params,
+        opt_state=_in(HOST, shardings.opt_state) if opt_state else shardings.opt_state,
+    )
+
+
+def _check_host_memory(sharding: Sharding, key: str) -> None:
+    device = next(iter(sharding.device_set))
+    kinds = sorted(memory.kind for memory in device.addressable_memories())
+    if HOST not in kinds:
+        raise ConfigError(
+            f"{key}=true needs {HOST} memory, which {device.platform} devices lack (they have "
+            f"{', '.join(kinds)}); set {key}=false"
+        )
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Moves a state's host-resting leaves in and out inside a jitted step: `to_device` before
+    they are used, `to_host` on the updated state, so between steps they occupy no device memory.
+    """
+
+    shardings: TrainState  # the at-rest shardings (`at_rest`) the step is jitted with
+
+    @classmethod
+    def of(cls, shardings: TrainState) -> Offload | None:
+        """None when no leaf rests on the host: the step then compiles without any copy."""
+        if any(_on_host(s) for s in jax.tree.leaves(shardings)):
+            return cls(shardings)
+        return None
+
+    def to_device(self, state: TrainState) -> TrainState:
+        """Inside jit: every host-resting leaf copied into device memory, same layout."""
+        return jax.tree.map(
+            lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if _on_host(s) else x,
+            state,
+            self.shardings,
+        )
+
+    def to_host(self, state: TrainState) -> TrainState:
+        """Inside jit: every leaf that rests on the host copied back into pinned host memory."""
+        return jax.tree.map(
+            lambda x, s: jax.device_put(x, s) if _on_host(s) else x, state, self.shardings
+        )
+
+
+def to_device_memory(arrays: PyTree) -> PyTree:
+    """Concrete arrays with the host-resting ones copied into device memory: for code outside
+    the step (sampling) that runs ordinary jitted ops on them."""
+    return jax.tree.map(
+        lambda x: (
+            jax.device_put(x, x.sharding.with_memory_kind(DEVICE)) if _on_host(x.sharding) else x
+        ),
+        arrays,
+    )
+
+
+def device_bytes(compiled: jax.stages.Compiled) -> int | None:
+    """Bytes of device memory one device needs to run `compiled`, from XLA's memory analysis:
+    arguments + outputs - donated (aliased) ones + temporaries, without those that live in host
+    memory kinds. None when the backend gives no memory analysis.
+
+    GPU/TPU XLA reports host-memory arguments and outputs in separate `host_*` fields; XLA:CPU
+    counts them with the device ones, so there they are subtracted using the compiled input and
+    output shardings (inputs the executable prunes as unused count for neither)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    arguments = stats.argument_size_in_bytes
+    outputs = stats.output_size_in_bytes
+    aliased = stats.alias_size_in_bytes
+    if not (stats.host_argument_size_in_bytes or stats.host_output_size_in_bytes):
+        host_in, host_donated = _host_inputs(compiled)
+        host_out = _host_outputs(compiled)
+        arguments -= host_in
+        outputs -= host_out
+        aliased -= min(host_donated, host_out, aliased)
+    return arguments + outputs - aliased + stats.temp_size_in_bytes
+
+
+def _shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> int:
+    return math.prod(sharding.shard_shape(tuple(shape))) * jax.numpy.dtype(dtype).itemsize
+
+
+def _host_inputs(compiled: jax.stages.Compiled) -> tuple[int, int]:
+    """(all, donated) per-device bytes of the host-memory inputs the executable keeps."""
+    total, donated = 0, 0
+    none_is_leaf = lambda x: x is None  # noqa: E731  (a pruned input's sharding is None)
+    shardings = jax.tree.leaves(compiled.input_shardings, is_leaf=none_is_leaf)
+    infos = jax.tree.leaves(compiled.args_info, is_leaf=none_is_leaf)
+    for sharding, info in zip(shardings, infos, strict=True):
+        if _on_host(sharding):
+            nbytes = _shard_bytes(info.shape, info.dtype, sharding)
+            total += nbytes
+            donated += nbytes if info.donated else 0
+    return total, donated
+
+
+def _host_outputs(compiled: jax.stages.Compiled) -> int:
+    return sum(
+        _shard_bytes(out.shape, out.dtype, out.sharding)
+        for out in jax.tree.leaves(compiled.out_info)
+        if _on_host(out.sharding)
+    )
+
+
+def offload_dots_policy(*names: str) -> Callable[..., Any]:
+    """A remat policy keeping what `model.remat=save_dots` keeps (matmuls without batch
+    dimensions, and values tagged with one of `names`) in pinned host memory, not on the device.
+    `save_from_both_policies` accepts boolean policies only, hence the explicit OR."""
+    policies = jax.checkpoint_policies
+    dots = policies.offload_dot_with_no_batch_dims(DEVICE, HOST)
+    named = policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(names),
+        offload_src=DEVICE,
+        offload_dst=HOST,
+    )
+
+    def policy(prim, *args, **params):
+        decision = dots(prim, *args, **params)
+        return named(prim, *args, **params) if decision is Recompute else decision
+
+    return policy
