@@ -120,6 +120,18 @@ def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> Partiti
     return PartitionSpec(*out)
 
 
+def rows_like_the_batch(x: jax.Array) -> jax.Array:
+    """Keep an activation's rows split over (data, fsdp) as the batch is, its other axes whole
+    (the last one as GSPMD likes: logits over vocab shards). Left alone, GSPMD may follow an
+    FSDP-sharded weight instead, split the model width and gather the batch: every device then
+    holds every row's activations. Outside a mesh with those axes, `x` is returned as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x
+    rest = [None] * (x.ndim - 2) + [PartitionSpec.UNCONSTRAINED] * (x.ndim > 1)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXES, *rest))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches split their leading axis over (data, fsdp); every device sees distinct rows."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

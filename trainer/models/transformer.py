@@ -22,6 +22,7 @@ from trainer.models.matmul import BF16_DOT, linear_dot_general
 from trainer.models.rope import RopeScaling, freeze_scaling
 from trainer.offload import offload_dots_policy
 from trainer.pipeline import PipelineSpec, run_pipeline
+from trainer.sharding import rows_like_the_batch
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -114,7 +115,7 @@ class Block(nnx.Module):
         h = self.attn(self.attn_norm(x_BxLxD), layout)
         x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[0])
         h = self.mlp(self.mlp_norm(x_BxLxD))
-        return x_BxLxD + dropout(h, self.dropout_rate, keys[1])
+        return rows_like_the_batch(x_BxLxD + dropout(h, self.dropout_rate, keys[1]))
 
 
 class Transformer(nnx.Module):
@@ -158,7 +159,7 @@ class Transformer(nnx.Module):
         positions_BxL = batch.get("positions")
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]), inputs_BxL.shape)
-        x_BxLxD = self.embed(inputs_BxL)
+        x_BxLxD = rows_like_the_batch(self.embed(inputs_BxL))
         layout = PackedLayout.of(
             segment_ids_BxL,
             positions_BxL,
@@ -172,7 +173,8 @@ class Transformer(nnx.Module):
             logits_BxLxV = self.embed.attend(x_BxLxD)
         else:
             logits_BxLxV = self.lm_head(x_BxLxD)
-        return logits_BxLxV.astype(jnp.float32)  # fp32 softmax/loss: bf16 loses small probs
+        # fp32 softmax/loss: bf16 loses small probabilities
+        return rows_like_the_batch(logits_BxLxV.astype(jnp.float32))
 
     def _run_blocks(self, x_BxLxD, layout: PackedLayout):
         """One scan over the stacked layers: the step compiles one block, whatever the depth.

@@ -1,0 +1,126 @@
+"""The changes `trainer.plan` tries on a config that does not fit, cheapest first: pure override
+lists, so their generation and order are tested without compiling anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import Config
+from trainer.data import check_batch_layout
+from trainer.errors import ConfigError
+from trainer.sharding import mesh_shape
+
+# Order of expected throughput cost, lowest first; a judgment for ordering, not a measurement.
+# fsdp's extra all-gathers overlap compute; save_dots recomputes only elementwise work; each
+# accumulation doubling halves the matmuls' rows; full remat repeats the forward pass; offloads
+# move state or activations over the host link every step; a stage doubling adds bubble.
+RANK = {
+    "fsdp": 1,  # per doubling
+    "save_dots": 2,
+    "accum": 3,  # per doubling
+    "full": 4,
+    "offload": 5,
+    "offload_params": 6,
+    "stage": 7,  # per doubling
+}
+MAX_DOUBLINGS = 6
+REMAT_STRENGTH = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 2}
+# Not tried: model.remat=offload_dots. XLA:CPU counts host-offloaded activations among its
+# temporaries (its host and device memory are one), so a CPU compile cannot show that saving.
+
+
+@dataclass(frozen=True)
+class Step:
+    """One knob turned: `knob` groups the steps that exclude each other (one remat, one mesh)."""
+
+    knob: str
+    rank: int
+    overrides: tuple[str, ...]
+
+
+def knob_steps(config: Config, devices: int) -> list[Step]:
+    """Every single step that could lower the per-device memory of `config` on `devices`; a
+    step that breaks the batch layout is left out (`trainer.data.check_batch_layout`)."""
+    stage, data, fsdp, tensor = mesh_shape(config.mesh, devices)
+    remat = REMAT_STRENGTH[config.model.remat]
+    steps = [
+        Step("remat", RANK[kind], (f"model.remat={kind}",))
+        for kind in ("save_dots", "full")
+        if REMAT_STRENGTH[kind] > remat
+    ]
+    steps += [
+        Step("mesh", RANK["fsdp"] * _log2(k), _mesh(stage, data // k, fsdp * k, tensor))
+        for k in _doublings(data)
+    ]
+    accum = config.optim.accum_steps
+    microbatches = config.pipeline_microbatches if stage > 1 else 1
+    for k in _doublings(config.data.global_batch_size):
+        try:
+            check_batch_layout(
+                config.data.global_batch_size, accum * k, data * fsdp, 1, microbatches
+            )
+        except ConfigError:
+            break
+        steps.append(Step("accum", RANK["accum"] * _log2(k), (f"optim.accum_steps={accum * k}",)))
+    if not config.optim.offload:
+        steps.append(Step("offload", RANK["offload"], ("optim.offload=true",)))
+    if not config.model.offload_params:
+        steps.append(Step("offload_params", RANK["offload_params"], ("model.offload_params=true",)))
+    if config.model.kind == "transformer":
+        steps += _stage_steps(config, stage, data, fsdp, tensor)
+    return steps
+
+
+def _stage_steps(config: Config, stage: int, data: int, fsdp: int, tensor: int) -> list[Step]:
+    """More pipeline stages, their devices taken from data parallelism first, then from fsdp."""
+    steps = []
+    for k in _doublings(config.model.num_layers // stage):
+        if config.model.num_layers % (stage * k):
+            break
+        if data % k == 0:
+            mesh = _mesh(stage * k, data // k, fsdp, tensor)
+        elif fsdp % k == 0:
+            mesh = _mesh(stage * k, data, fsdp // k, tensor)
+        else:
+            break
+        explicit = config.pipeline.microbatches
+        more = (
+            (f"pipeline.microbatches={2 * stage * k}",) if explicit and explicit < stage * k else ()
+        )
+        steps.append(Step("stage", RANK["stage"] * _log2(k), mesh + more))
+    return steps
+
+
+def changes(steps: list[Step]) -> list[tuple[Step, ...]]:
+    """Single steps and pairs of steps on different knobs, by summed rank (a single first)."""
+    pairs = [
+        (a, b)
+        for i, a in enumerate(steps)
+        for b in steps[i + 1 :]
+        if a.knob != b.knob and not _keys(a) & _keys(b)
+    ]
+    both = [(s,) for s in steps] + pairs
+    return sorted(both, key=lambda change: (sum(s.rank for s in change), len(change)))
+
+
+def overrides_of(change: tuple[Step, ...]) -> list[str]:
+    return [o for step in change for o in step.overrides]
+
+
+def _keys(step: Step) -> set[str]:
+    return {o.partition("=")[0] for o in step.overrides}
+
+
+def _doublings(limit: int) -> list[int]:
+    """2, 4, 8, ... up to `limit` and at most MAX_DOUBLINGS of them."""
+    return [2**i for i in range(1, MAX_DOUBLINGS + 1) if 2**i <= limit]
+
+
+def _log2(k: int) -> int:
+    return k.bit_length() - 1
+
+
+def _mesh(stage: int, data: int, fsdp: int, tensor: int) -> tuple[str, ...]:
+    """Every axis pinned, so no -1 axis absorbs the change."""
+    sizes = {"stage": stage, "data": data, "fsdp": fsdp, "tensor": tensor}
+    return tuple(f"mesh.{axis}={size}" for axis, size in sizes.items())

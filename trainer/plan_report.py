@@ -1,0 +1,95 @@
+"""What `trainer.plan` prints, and the sizes it reads: pure functions of measured numbers, so
+they are tested without compiling anything."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from trainer.config import Config
+from trainer.errors import ConfigError
+from trainer.pipeline import bubble_fraction
+
+# Decimal units as GPU datasheets write them (an "80GB" H100), binary ones as `nvidia-smi` shows.
+_UNITS = {
+    **{"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12},
+    **{"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40},
+}
+
+
+def parse_size(text: str) -> int:
+    """`80GB`, `11GiB`, `512MB`, `1.5TB` or a plain byte count, as bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"--device-memory {text!r} is not a size; use e.g. 80GB, 11GiB, 512MB or a byte count"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as GPU datasheets count (80 GB), to 3 significant digits."""
+    return _si(n, "B")
+
+
+def _si(n: float, unit: str) -> str:
+    for prefix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {prefix}{unit}"
+    return f"{n:.3g} {unit}"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One device's share of a compiled train step, in bytes; `host` rests in host memory."""
+
+    params: int
+    opt_state: int
+    temporaries: int
+    total: int  # device memory the step needs (trainer.offload.device_bytes)
+    host: int
+    xla_flops: float  # compiled.cost_analysis(): per device, each loop body counted once
+    model_flops: float  # trainer/flops.py, per device
+    mesh: dict[str, int]
+    num_params: int
+
+    @property
+    def other(self) -> int:
+        """Step counter, loss scale, batch and the outputs that are not donated in place."""
+        return self.total - self.params - self.opt_state - self.temporaries
+
+
+def verdict(total: int, budget: int) -> str:
+    """The fit line: it flips from yes to no where the budget drops below the total."""
+    answer = "yes" if total <= budget else "no"
+    line = f"fits in {format_bytes(budget)} per device: {answer} ({total / budget:.1%} of it)"
+    if 0.75 < total / budget <= 1:  # JAX preallocates 75% of a GPU and allocates from that
+        line += "; over the 75% JAX takes by default: raise XLA_PYTHON_CLIENT_MEM_FRACTION"
+    return line
+
+
+def report(name: str, fp: Footprint, config: Config) -> list[str]:
+    """The lines `python -m trainer.plan` prints for one compiled config."""
+    mesh = " ".join(f"{axis}={size}" for axis, size in fp.mesh.items())
+    stages, microbatches = config.mesh.stage, config.pipeline_microbatches
+    rows = {
+        "parameters": fp.params,
+        "optimizer state": fp.opt_state,
+        "activations, temporaries": fp.temporaries,
+        "step, batch, metrics": fp.other,
+        "total": fp.total,
+        "host-resident (pinned_host)": fp.host,
+    }
+    staged = f" (mesh.stage={stages}, {microbatches} microbatches)" if stages > 1 else ""
+    return [
+        f"{name} on {math.prod(fp.mesh.values())} devices, mesh {mesh}: "
+        f"{fp.num_params / 1e6:.1f}M parameters",
+        "per device (XLA:CPU buffer assignment of the compiled step; an estimate of a GPU's):",
+        *(f"  {label:<28}{format_bytes(n):>10}" for label, n in rows.items()),
+        f"FLOPs per step per device: {_si(fp.model_flops, 'FLOP')} (trainer/flops.py: 6 x "
+        "parameters + attention, no remat recompute)",
+        f"  XLA cost_analysis: {_si(fp.xla_flops, 'FLOP')} (counts each loop body once: "
+        "layer scan, microbatches)",
+        f"pipeline bubble: {bubble_fraction(stages, microbatches):.1%}{staged}",
+    ]
