@@ -7,7 +7,7 @@ take 1/(1 - bubble) = (M+S-1)/M as long. Measured here on 4 fake CPU devices for
 same run, in interleaved rounds. On this 2-core CPU the "idle" stages compute the discarded
 bubble iterations rather than wait, which costs the same time as the ratio predicts.
 
-    python benchmarks/pipeline.py [--stages 4] [--steps 10] [--rounds 3] [overrides ...]
+    python benchmarks/pipeline.py [--stages 4] [--steps 5] [--rounds 3] [overrides ...]
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from trainer.train import builder_for_vocab  # noqa: E402
 
 VOCAB = 256
 MODEL = [
-    "model.d_model=256",
+    "model.d_model=128",
     "model.num_heads=4",
-    "model.d_ff=1024",
-    "data.seq_len=128",
+    "model.d_ff=512",
+    "data.seq_len=64",
     "data.global_batch_size=64",
     "precision.compute=float32",
     "optim.warmup_steps=0",
@@ -45,7 +45,7 @@ MODEL = [
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=512")
     return parser.parse_args()
