@@ -28,10 +28,10 @@ import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 
 from benchmarks._synthetic import synthetic_batch
-from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.train import builder_for_vocab
 
 

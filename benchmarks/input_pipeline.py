@@ -51,8 +51,8 @@ from input_pipeline.pipeline import make_batch_iterator  # noqa: E402
 from input_pipeline.prepare import prepare_dataset  # noqa: E402
 from input_pipeline.reading import Reading  # noqa: E402
 from input_pipeline.tfrecords import FEATURE, SHUFFLE_RECORDS, tensorflow  # noqa: E402
-from trainer import sharding  # noqa: E402
 from trainer.config import Config, DataConfig, MeshConfig, load_config  # noqa: E402
+from trainer.parallel import sharding  # noqa: E402
 
 if TYPE_CHECKING:
     import tensorflow as tf

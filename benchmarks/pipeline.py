@@ -24,10 +24,10 @@ import _repo_root  # noqa: E402, F401  (before any project import: see its docst
 import jax  # noqa: E402
 
 from benchmarks._synthetic import synthetic_batch  # noqa: E402
-from trainer import sharding  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.pipeline import bubble_fraction  # noqa: E402
-from trainer.program import build_program  # noqa: E402
+from trainer.parallel import sharding  # noqa: E402
+from trainer.parallel.pipeline import bubble_fraction  # noqa: E402
+from trainer.parallel.program import build_program  # noqa: E402
 from trainer.train import builder_for_vocab  # noqa: E402
 
 VOCAB = 256

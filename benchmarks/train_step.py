@@ -30,11 +30,11 @@ import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 
 from benchmarks._synthetic import synthetic_batch
-from trainer import sharding
 from trainer.config import Config, load_config
 from trainer.data import lm_batches, load_dataset
 from trainer.models import build_model
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.train import run
 
 

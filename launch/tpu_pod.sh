@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training on a Cloud TPU pod slice: the same command on every TPU VM worker at once, one
-# process per VM (all of its chips). JAX_DISTRIBUTED_AUTO=1 makes trainer/distributed.py call
+# process per VM (all of its chips). JAX_DISTRIBUTED_AUTO=1 makes trainer/parallel/distributed.py call
 # jax.distributed.initialize() without arguments: JAX reads the worker id, the worker count and
 # the coordinator (worker 0) from the TPU metadata server.
 #

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
 from trainer.errors import TrainingError
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.train import builder_for_vocab, run
 
 

@@ -15,10 +15,10 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import TINY
 
-from trainer import sharding
 from trainer.config import load_config
 from trainer.export import export_params
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.train import builder_for_vocab, init_from, run
 
 STEPS = 6

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from trainer import sharding
 from trainer.config import load_config
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.train import builder_for_vocab
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_step.json"

@@ -17,8 +17,8 @@ from conftest import TINY
 
 import trainer
 from trainer import report
-from trainer.goodput import BUCKETS, Goodput, format_summary
-from trainer.metrics import MetricsWriter
+from trainer.observe.goodput import BUCKETS, Goodput, format_summary
+from trainer.observe.metrics import MetricsWriter
 
 VOCAB, ROWS, LEN = 64, 16, 64  # TINY's global batch and sequence length
 SLOW_S = 0.25  # per batch: several times a tiny step, so waiting for data must dominate

@@ -22,8 +22,8 @@ from trainer.export import export_params
 from trainer.generate import load_generator, sample
 from trainer.hf.config import hf_config, model_fields
 from trainer.hf.weights import load_hf_params
-from trainer.program import build_program
-from trainer.sharding import make_mesh
+from trainer.parallel.program import build_program
+from trainer.parallel.sharding import make_mesh
 from trainer.train import builder_for_vocab, run
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -48,14 +48,19 @@ def test_imported_weights_give_the_reference_logits(fixture):
     np.testing.assert_allclose(np.asarray(logits), reference["logits"], atol=1e-5, rtol=0)
 
 
-def test_import_reads_each_shard_into_a_data_fsdp_tensor_layout():
-    overrides = [f"checkpoint.init_from=hf:{UNTIED}", "mesh.fsdp=2", "mesh.tensor=2"]
+def test_import_reads_each_shard_into_a_stage_fsdp_tensor_layout():
+    overrides = [
+        f"checkpoint.init_from=hf:{UNTIED}",
+        "mesh.stage=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+    ]
     config = load_config(None, overrides)
     program = build_program(config, make_mesh(config.mesh), builder_for_vocab(config))
     params = load_hf_params(UNTIED, program.abstract_state().params)
     original = tensors(UNTIED)
     q = params["blocks"]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == P(None, "fsdp", "tensor")
+    assert q.sharding.spec == P("stage", "fsdp", "tensor")
     np.testing.assert_array_equal(q[1], original["model.layers.1.self_attn.q_proj.weight"].T)
     head = params["lm_head"]["kernel"]
     np.testing.assert_array_equal(head, original["lm_head.weight"].T)

@@ -16,8 +16,8 @@ from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import sha256_of
-from trainer import sharding
 from trainer.config import MeshConfig
+from trainer.parallel import sharding
 
 
 @pytest.fixture(scope="module")

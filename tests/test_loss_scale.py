@@ -9,12 +9,12 @@ import pytest
 from conftest import TINY
 
 import trainer
-from trainer import sharding
 from trainer.config import PrecisionConfig, load_config
 from trainer.data import lm_batches, load_dataset
 from trainer.errors import TrainingError
 from trainer.loss_scale import LossScaling
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.step import next_token_loss
 from trainer.train import builder_for_vocab
 

@@ -4,7 +4,7 @@ labels runs by `run.name`."""
 import json
 
 from trainer import report
-from trainer.metrics import MetricsWriter
+from trainer.observe.metrics import MetricsWriter
 
 
 def test_resume_drops_lines_past_the_checkpoint_and_half_lines(tmp_path):

@@ -26,10 +26,10 @@ from conftest import TINY
 from input_pipeline.errors import DataError
 from input_pipeline.streams import StreamBatches
 from trainer.config import load_config
-from trainer.distributed import ClusterSpec, cluster_from_env
 from trainer.errors import ConfigError
+from trainer.observe.watchdog import EXIT_STUCK
+from trainer.parallel.distributed import ClusterSpec, cluster_from_env
 from trainer.train import run
-from trainer.watchdog import EXIT_STUCK
 
 RTOL = 1e-5
 STEPS = 6
@@ -397,7 +397,7 @@ def test_launch_scripts_only_set_variables_and_start_processes(repo_root):
     assert "--worker=all" in (repo_root / "launch/tpu_pod.sh").read_text()
 
 
-# ----------------------------------------------------------------------------- distributed.py
+# -------------------------------------------------------------------- parallel/distributed.py
 
 
 def test_cluster_from_environment():
@@ -443,7 +443,10 @@ def test_unreachable_coordinator_fails_within_the_init_timeout(repo_root):
         JAX_PROCESS_ID="1",
         JAX_INIT_TIMEOUT_S="2",
     )
-    code = "from trainer.distributed import maybe_initialize; maybe_initialize(); print('joined')"
+    code = (
+        "from trainer.parallel.distributed import maybe_initialize; "
+        "maybe_initialize(); print('joined')"
+    )
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", code],

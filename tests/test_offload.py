@@ -11,7 +11,7 @@ import pytest
 from tests.test_step import losses, program_for, random_batches
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig
-from trainer.offload import HOST, device_bytes
+from trainer.parallel.offload import HOST, device_bytes
 
 F32 = ["precision.compute=float32"]
 FSDP8 = (1, 8, 1)

@@ -12,13 +12,13 @@ from conftest import TINY
 from test_multihost import free_port
 from test_step import SMALL, VOCAB, random_batches
 
-from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
-from trainer.pipeline import bubble_fraction
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.pipeline import bubble_fraction
+from trainer.parallel.program import build_program
 from trainer.train import builder_for_vocab, run
 
 FOUR_LAYERS = [*SMALL, "model.num_layers=4", "precision.compute=float32"]
@@ -157,7 +157,7 @@ import sys, jax
 jax.config.update("jax_num_cpu_devices", 2)
 port, process = sys.argv[1:]
 jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(process), initialization_timeout=60)
-from trainer import sharding
+from trainer.parallel import sharding
 from trainer.config import MeshConfig
 mesh = sharding.make_mesh(MeshConfig(stage=2, data=-1))
 print([sorted({d.process_index for d in mesh.devices[s].flat}) for s in range(2)])

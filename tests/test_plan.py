@@ -9,14 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import plan, sharding
+from trainer import plan
 from trainer.config import load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 from trainer.plan import main, measure
-from trainer.plan_changes import changes, knob_steps, overrides_of
-from trainer.plan_report import format_bytes, parse_size, verdict
-from trainer.program import build_program
+from trainer.plan.changes import changes, knob_steps, overrides_of
+from trainer.plan.report import format_bytes, parse_size, verdict
 from trainer.train import builder_for_vocab
 
 TINY = "configs/tiny.yaml"

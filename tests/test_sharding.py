@@ -4,9 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from trainer import sharding
 from trainer.config import MeshConfig
 from trainer.errors import ConfigError
+from trainer.parallel import sharding
 
 
 def test_fill_axis_takes_the_remaining_devices():

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import sharding
 from trainer.config import load_config
 from trainer.models import build_model
-from trainer.program import build_program
+from trainer.parallel import sharding
+from trainer.parallel.program import build_program
 
 SMALL = [
     "model.num_layers=2",

@@ -10,8 +10,8 @@ import time
 import pytest
 from conftest import TINY
 
-from trainer import watchdog as wd
-from trainer.watchdog import Watchdog
+from trainer.observe import watchdog as wd
+from trainer.observe.watchdog import Watchdog
 
 
 class FakeClock:

@@ -23,7 +23,7 @@ from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
 from trainer.config import CheckpointConfig, Config, config_from_dict
 from trainer.errors import ConfigError, TrainingError
-from trainer.state import TrainState
+from trainer.parallel.state import TrainState
 
 T = TypeVar("T")
 
@@ -240,9 +240,9 @@ class Checkpointer:
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict | None]:
         """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load), memory
-        kinds included: offloaded parts (`trainer.offload`) are read straight into pinned host
-        memory, never through the device memory they were offloaded to spare (orbax 0.12
-        passes the memory kind through: no memory-kind mismatch, tests/test_offload.py)."""
+        kinds included: offloaded parts (`trainer.parallel.offload`) are read straight into
+        pinned host memory, never through the device memory they were offloaded to spare (orbax
+        0.12 passes the memory kind through: no memory-kind mismatch, tests/test_offload.py)."""
         self._check_shapes(step, target.params)
         restored = self.manager.restore(
             step,

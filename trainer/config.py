@@ -26,8 +26,9 @@ class RunConfig(_Section):
     seed: int = 0
     steps: int = Field(1000, ge=1)
     # Seconds a step (or its data wait, eval, save) may take before the process dumps its stacks
-    # and exits 3 (trainer/watchdog.py); the first step (compiling) gets at least 15 minutes.
-    # None: 10x the median of the first steps, at least 300 s (15 minutes for evals and saves)
+    # and exits 3 (trainer/observe/watchdog.py); the first step (compiling) gets at least 15
+    # minutes. None: 10x the median of the first steps, at least 300 s (15 minutes for evals
+    # and saves)
     step_timeout_s: float | None = Field(None, gt=0)
 
 
@@ -82,7 +83,7 @@ class ModelConfig(_Section):
     # offload_dots: keep them in pinned host memory instead of device memory
     remat: Literal["none", "full", "save_dots", "offload_dots"] = "none"
     # ZeRO-Offload: the float32 master parameters live in pinned host memory between steps; the
-    # step moves them in, and the updated ones back out (trainer/offload.py)
+    # step moves them in, and the updated ones back out (trainer/parallel/offload.py)
     offload_params: bool = False
     # false: a Python loop over the layers (compile time grows with depth; for shallow models
     # on CPU, where the scan's stacked residual buffers and per-layer slicing cost time:
@@ -139,7 +140,7 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
 
 class MeshConfig(_Section):
     # Pipeline stages: the layer stack is cut into `stage` contiguous pieces, one per group of
-    # devices, and microbatches flow through them (trainer/pipeline.py, `pipeline.*`)
+    # devices, and microbatches flow through them (trainer/parallel/pipeline.py, `pipeline.*`)
     stage: int = Field(1, ge=1)
     data: int = -1
     fsdp: int = 1
@@ -203,7 +204,7 @@ class OptimConfig(_Section):
     accum_steps: int = Field(1, ge=1)
     skip_nonfinite: bool = False
     # ZeRO-Offload: the optimizer state (Adam moments) lives in pinned host memory between
-    # steps; the step moves it in for the update and back out (trainer/offload.py)
+    # steps; the step moves it in for the update and back out (trainer/parallel/offload.py)
     offload: bool = False
 
 

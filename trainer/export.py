@@ -60,8 +60,8 @@ def _restore_params(checkpointer: Checkpointer, step: int):
 
 def _abstract_params(config):
     """Parameter shapes of the saved run's model, laid out on this machine's devices."""
-    from trainer import sharding
-    from trainer.program import build_program
+    from trainer.parallel import sharding
+    from trainer.parallel.program import build_program
     from trainer.train import builder_for_vocab
 
     config.mesh.stage, config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1, 1

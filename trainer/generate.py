@@ -134,7 +134,7 @@ def load_generator(
 
 def _generation_mesh(config: Config, devices: Sequence[jax.Device] | None):
     """Every device on the fsdp axis (weights split along `embed`), as many as divide it."""
-    from trainer import sharding
+    from trainer.parallel import sharding
 
     devices = list(devices or jax.devices())
     count = math.gcd(len(devices), config.model.d_model)
@@ -145,9 +145,9 @@ def _generation_mesh(config: Config, devices: Sequence[jax.Device] | None):
 
 def _model_and_target(config: Config, devices):
     """The mesh, a function building the module from params, and the params' restore target."""
-    from trainer import sharding
     from trainer.errors import ConfigError
-    from trainer.state import abstract_model
+    from trainer.parallel import sharding
+    from trainer.parallel.state import abstract_model
     from trainer.train import builder_for_vocab
 
     if config.model.kind != "transformer":

@@ -19,13 +19,13 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import Config
 from trainer.data import DataSources
 from trainer.errors import ConfigError, TrainingError
-from trainer.goodput import Goodput, session_summary
-from trainer.metrics import MetricsWriter
+from trainer.observe.goodput import Goodput, session_summary
+from trainer.observe.metrics import MetricsWriter
+from trainer.observe.profiling import ProfileWindow
+from trainer.observe.watchdog import Watchdog
+from trainer.parallel.program import TrainProgram
+from trainer.parallel.state import TrainState
 from trainer.preemption import StopRequest
-from trainer.profiling import ProfileWindow
-from trainer.program import TrainProgram
-from trainer.state import TrainState
-from trainer.watchdog import Watchdog
 
 
 @dataclass

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        from trainer.distributed import maybe_initialize
+        from trainer.parallel.distributed import maybe_initialize
 
         maybe_initialize()  # before any other JAX call (and before importing the trainer)
         from absl import flags

@@ -12,9 +12,9 @@ import jax
 
 from trainer.config import Config
 from trainer.generate import Generator, run_tokenizer
-from trainer.metrics import MetricsWriter
-from trainer.offload import to_device_memory
-from trainer.state import TrainState
+from trainer.observe.metrics import MetricsWriter
+from trainer.parallel.offload import to_device_memory
+from trainer.parallel.state import TrainState
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -58,8 +58,8 @@ def make_sampler(
     if run_tokenizer(config) is None:
         writer.message("eval.sample_prompts: the dataset has no readable tokenizer; not sampling")
         return None
-    from trainer import sharding
-    from trainer.state import abstract_model
+    from trainer.parallel import sharding
+    from trainer.parallel.state import abstract_model
 
     with jax.set_mesh(mesh):
         skeleton, _, _ = abstract_model(build, mesh, sharding.resolve_rules(config.mesh.rules))

@@ -19,9 +19,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.loss_scale import LossScaling
-from trainer.offload import Offload
-from trainer.sharding import BATCH_AXES
-from trainer.state import ModelSkeleton, TrainState
+from trainer.parallel.offload import Offload
+from trainer.parallel.sharding import BATCH_AXES
+from trainer.parallel.state import ModelSkeleton, TrainState
 
 Batch = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]

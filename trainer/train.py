@@ -10,7 +10,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from trainer import sharding
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import Config
 from trainer.data import (
@@ -21,16 +20,17 @@ from trainer.data import (
     user_sources,
 )
 from trainer.errors import ConfigError, TrainingError
-from trainer.flops import device_peak_tflops, flops_per_token
-from trainer.goodput import Goodput, format_summary, write_summary
 from trainer.hf import hf_folder
 from trainer.loop import Loop, RunResult
-from trainer.metrics import MetricsWriter
 from trainer.models import build_model
-from trainer.pipeline import PipelineSpec
-from trainer.program import TrainProgram, build_program
+from trainer.observe.flops import device_peak_tflops, flops_per_token
+from trainer.observe.goodput import Goodput, format_summary, write_summary
+from trainer.observe.metrics import MetricsWriter
+from trainer.parallel import sharding
+from trainer.parallel.pipeline import PipelineSpec
+from trainer.parallel.program import TrainProgram, build_program
+from trainer.parallel.state import TrainState
 from trainer.samples import make_sampler
-from trainer.state import TrainState
 from trainer.step import LossFn, next_token_loss
 
 # ----------------------------------------------------------------------------- setup

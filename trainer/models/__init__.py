@@ -17,7 +17,7 @@ from flax import nnx
 from trainer.config import ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.transformer import Transformer, TransformerSpec
-from trainer.pipeline import PipelineSpec
+from trainer.parallel.pipeline import PipelineSpec
 
 ModelFactory = Callable[..., nnx.Module]
 
@@ -76,7 +76,7 @@ def build_model(
     pipeline: PipelineSpec | None = None,
 ) -> nnx.Module:
     """Build the configured model. Eager sharding is off: parameters carry *logical* axis names,
-    which only `trainer.sharding` can map to mesh axes (the trainer places them itself).
+    which only `trainer.parallel.sharding` can map to mesh axes (the trainer places them itself).
     Pipeline stages exist for the built-in transformer only: its stacked layers are what the
     stages split."""
     factory = resolve_factory(config.kind)

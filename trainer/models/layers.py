@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 def partitioned(init, logical_axes: tuple[str, ...]):
-    """Attach logical axis names to an initializer (mapped to mesh axes by `trainer.sharding`)."""
+    """Attach logical axis names to an initializer (mapped to mesh axes by
+    `trainer.parallel.sharding`)."""
     return nnx.with_partitioning(init, logical_axes)
 
 

@@ -4,7 +4,7 @@ capability 8.0+ for unpacked rows, XLA otherwise: `models/attention.py`), layers
 `scan` so compile time does not grow with depth.
 
 Every parameter names its axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`, `layers`,
-`norm`); `trainer.sharding` maps those names to mesh axes.
+`norm`); `trainer.parallel.sharding` maps those names to mesh axes.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from trainer.models.attention import device_facts
 from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
 from trainer.models.matmul import BF16_DOT, linear_dot_general
 from trainer.models.rope import RopeScaling, freeze_scaling
-from trainer.offload import offload_dots_policy
-from trainer.pipeline import PipelineSpec, run_pipeline
-from trainer.sharding import rows_like_the_batch
+from trainer.parallel.offload import offload_dots_policy
+from trainer.parallel.pipeline import PipelineSpec, run_pipeline
+from trainer.parallel.sharding import rows_like_the_batch
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -182,7 +182,7 @@ class Transformer(nnx.Module):
         checkpoints): no stacked residual buffers to zero and slice per layer, which is faster
         for shallow models on CPU (BENCHMARKS.md, nanoGPT recipe); compile time grows with depth.
         With pipeline stages, each stage runs its contiguous share of the layers that way on one
-        microbatch at a time (`trainer/pipeline.py`)."""
+        microbatch at a time (`trainer/parallel/pipeline.py`)."""
         graphdef, stacked = nnx.split(self.blocks)
         stacked = _matrices_in(self.spec.compute_dtype, stacked)
         layer_keys = None

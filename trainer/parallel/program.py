@@ -12,12 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from trainer import sharding
 from trainer.config import Config
 from trainer.loss_scale import LossScaling
-from trainer.offload import Offload
 from trainer.optimizer import decay_mask, make_optimizer
-from trainer.state import (
+from trainer.parallel import sharding
+from trainer.parallel.offload import Offload
+from trainer.parallel.state import (
     TrainState,
     abstract_model,
     abstract_state,

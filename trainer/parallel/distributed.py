@@ -14,7 +14,7 @@ and every process once a peer has missed heartbeats for `JAX_HEARTBEAT_TIMEOUT_S
 at once (Gloo: connection reset), and a dead coordinator is noticed at once. So the scheduler
 sees the failure and restarts the job, which resumes from the latest checkpoint.
 A peer that is alive but stuck (a hung collective, a blocked read) keeps beating; the step
-watchdog (`trainer/watchdog.py`, `run.step_timeout_s`) ends every process waiting on it.
+watchdog (`trainer/observe/watchdog.py`, `run.step_timeout_s`) ends every process waiting on it.
 """
 
 from __future__ import annotations

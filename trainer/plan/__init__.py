@@ -18,15 +18,15 @@ import sys
 import jax
 
 from input_pipeline.packing import FIELDS
-from trainer import sharding
 from trainer.config import Config, load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
-from trainer.flops import flops_per_token
-from trainer.offload import device_bytes
-from trainer.plan_changes import Step, changes, knob_steps, overrides_of
-from trainer.plan_report import Footprint, format_bytes, parse_size, report, verdict
-from trainer.program import build_program
+from trainer.observe.flops import flops_per_token
+from trainer.parallel import sharding
+from trainer.parallel.offload import device_bytes
+from trainer.parallel.program import build_program
+from trainer.plan.changes import Step, changes, knob_steps, overrides_of
+from trainer.plan.report import Footprint, format_bytes, parse_size, report, verdict
 from trainer.train import builder_for_vocab, pipeline_spec
 
 USAGE_EXIT = 2
@@ -192,7 +192,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"no change tried fits; the smallest: {change}")
     return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

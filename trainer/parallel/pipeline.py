@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from trainer.sharding import BATCH_AXES
+from trainer.parallel.sharding import BATCH_AXES
 
 PyTree = Any
 ANY = PartitionSpec.UNCONSTRAINED

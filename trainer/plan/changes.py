@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from trainer.config import Config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
-from trainer.sharding import mesh_shape
+from trainer.parallel.sharding import mesh_shape
 
 # Order of expected throughput cost, lowest first; a judgment for ordering, not a measurement.
 # fsdp's extra all-gathers overlap compute; save_dots recomputes only elementwise work; each

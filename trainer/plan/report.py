@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from trainer.config import Config
 from trainer.errors import ConfigError
-from trainer.pipeline import bubble_fraction
+from trainer.parallel.pipeline import bubble_fraction
 
 # Decimal units as GPU datasheets write them (an "80GB" H100), binary ones as `nvidia-smi` shows.
 _UNITS = {
@@ -47,10 +47,10 @@ class Footprint:
     params: int
     opt_state: int
     temporaries: int
-    total: int  # device memory the step needs (trainer.offload.device_bytes)
+    total: int  # device memory the step needs (trainer.parallel.offload.device_bytes)
     host: int
     xla_flops: float  # compiled.cost_analysis(): per device, each loop body counted once
-    model_flops: float  # trainer/flops.py, per device
+    model_flops: float  # trainer/observe/flops.py, per device
     mesh: dict[str, int]
     num_params: int
 
@@ -87,7 +87,7 @@ def report(name: str, fp: Footprint, config: Config) -> list[str]:
         f"{fp.num_params / 1e6:.1f}M parameters",
         "per device (XLA:CPU buffer assignment of the compiled step; an estimate of a GPU's):",
         *(f"  {label:<28}{format_bytes(n):>10}" for label, n in rows.items()),
-        f"FLOPs per step per device: {_si(fp.model_flops, 'FLOP')} (trainer/flops.py: 6 x "
+        f"FLOPs per step per device: {_si(fp.model_flops, 'FLOP')} (trainer/observe/flops.py: 6 x "
         "parameters + attention, no remat recompute)",
         f"  XLA cost_analysis: {_si(fp.xla_flops, 'FLOP')} (counts each loop body once: "
         "layer scan, microbatches)",

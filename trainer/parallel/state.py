@@ -18,8 +18,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer import offload, sharding
 from trainer.loss_scale import LossScale, LossScaling
+from trainer.parallel import offload, sharding
 
 PyTree = Any
 
@@ -101,7 +101,7 @@ def state_shardings(
     offload_opt_state: bool = False,
 ) -> TrainState:
     """Optimizer moments follow their parameter's sharding (ZeRO-style); counters replicate.
-    The offloaded parts rest in pinned host memory between steps (`trainer.offload`)."""
+    The offloaded parts rest in pinned host memory between steps (`trainer.parallel.offload`)."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = sharding.replicated(mesh)
     opt_shardings = optax.tree_map_params(

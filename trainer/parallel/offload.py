@@ -23,8 +23,8 @@ from jax.sharding import Sharding
 
 from trainer.errors import ConfigError
 
-if TYPE_CHECKING:  # trainer.state builds its shardings with `at_rest`
-    from trainer.state import TrainState
+if TYPE_CHECKING:  # trainer.parallel.state builds its shardings with `at_rest`
+    from trainer.parallel.state import TrainState
 
 PyTree = Any
 DEVICE = "device"
