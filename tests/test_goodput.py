@@ -143,10 +143,12 @@ def test_slow_data_is_blamed_on_data_waiting_and_fast_data_on_steps(runs):
     # the device feed holds ~3 batches ahead, filled while step 1 compiles; the rest is waited for
     assert slow["seconds"]["data_wait"] > 0.5 * (slow["steps"] - 4) * SLOW_S
     assert slow["seconds"]["data_wait"] > 2 * slow["seconds"]["step"]
-    # A CPU test run is mostly compile; of the rest, most of the time went to waiting for data.
-    busy = {k: v for k, v in slow["seconds"].items() if k != "compile"}
-    assert max(busy, key=busy.get) == "data_wait"
-    assert busy["data_wait"] > 0.5 * sum(busy.values())
+    # A CPU test run is mostly compile; of the step loop's own time, most went to waiting for
+    # data. `other` (setup: building the program, the data sources) is left out: it grows with
+    # the machine's load, not with the data, and once outweighed 1.1 s of waiting in CI.
+    loop = {k: slow["seconds"][k] for k in ("step", "data_wait", "checkpoint", "eval")}
+    assert max(loop, key=loop.get) == "data_wait"
+    assert loop["data_wait"] > 0.5 * sum(loop.values())
     assert fast["seconds"]["step"] > fast["seconds"]["data_wait"]
     assert fast["seconds"]["eval"] > 0 and slow["seconds"]["eval"] == 0
     table = format_summary(slow)
