@@ -16,7 +16,7 @@ from trainer.config import Config
 from trainer.loss_scale import LossScaling
 from trainer.optimizer import decay_mask, make_optimizer
 from trainer.parallel import sharding
-from trainer.parallel.offload import Offload
+from trainer.parallel.offload import Offload, at_rest
 from trainer.parallel.state import (
     TrainState,
     abstract_model,
@@ -94,14 +94,11 @@ def build_program(
             config.optim, config.run.steps, mask=decay_mask(skeleton.param_specs)
         )
         scaling = LossScaling.from_config(config.precision)
-        shardings = state_shardings(
-            skeleton,
-            tx,
-            abstract_params,
-            mesh,
-            scaling,
-            offload_params=config.model.offload_params,
-            offload_opt_state=config.optim.offload,
+        # the offloaded parts rest in pinned host memory between steps (`offload.py`)
+        shardings = at_rest(
+            state_shardings(skeleton, tx, abstract_params, mesh, scaling),
+            params=config.model.offload_params,
+            opt_state=config.optim.offload,
         )
         offload = Offload.of(shardings)  # None without offload: no copies compiled in
         batch_sharding = sharding.batch_sharding(mesh)

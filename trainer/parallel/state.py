@@ -19,7 +19,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.loss_scale import LossScale, LossScaling
-from trainer.parallel import offload, sharding
+from trainer.parallel import sharding
 
 PyTree = Any
 
@@ -96,12 +96,8 @@ def state_shardings(
     abstract_params: PyTree,
     mesh: Mesh,
     scaling: LossScaling | None = None,
-    *,
-    offload_params: bool = False,
-    offload_opt_state: bool = False,
 ) -> TrainState:
-    """Optimizer moments follow their parameter's sharding (ZeRO-style); counters replicate.
-    The offloaded parts rest in pinned host memory between steps (`trainer.parallel.offload`)."""
+    """Optimizer moments follow their parameter's sharding (ZeRO-style); counters replicate."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = sharding.replicated(mesh)
     opt_shardings = optax.tree_map_params(
@@ -111,14 +107,13 @@ def state_shardings(
         skeleton.param_shardings,
         transform_non_params=lambda _: replicated,
     )
-    shardings = TrainState(
+    return TrainState(
         step=replicated,
         params=skeleton.param_shardings,
         model_state=skeleton.model_state_shardings,
         opt_state=opt_shardings,
         loss_scale=None if scaling is None else jax.tree.map(lambda _: replicated, scaling.init()),
     )
-    return offload.at_rest(shardings, params=offload_params, opt_state=offload_opt_state)
 
 
 def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> TrainState:
