@@ -53,8 +53,14 @@ def batches():
 
 
 @pytest.fixture(scope="module")
-def one_device(batches):
-    return train(program_for((1, 1, 1, 1)), batches)[0]
+def one_device_run(batches):
+    """Losses and the final state of the unpipelined reference on one device."""
+    return train(program_for((1, 1, 1, 1)), batches)
+
+
+@pytest.fixture(scope="module")
+def one_device(one_device_run):
+    return one_device_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +97,21 @@ def test_a_stage_holds_only_its_layers():
     assert kernel.shard_shape(up.shape)[0] == 1  # 4 layers over 4 stages
 
 
-def test_checkpoints_restore_across_stage_counts(two_stages, tmp_path):
+@pytest.mark.parametrize(
+    ("saved_on", "restored_on"),
+    [("two stages", [(1, 8, 1, 1), (4, 2, 1, 1)]), ("one device", [(2, 4, 1, 1)])],
+)
+def test_checkpoints_restore_across_stage_counts(
+    saved_on, restored_on, two_stages, one_device_run, tmp_path
+):
     """Parameters keep their [layers, ...] layout on any stage count: a checkpoint saved with 2
-    stages restores onto 1 and onto 4 stages, every array identical, sharded for its mesh."""
-    saved = two_stages[1]
+    stages restores onto 1 and onto 4 stages, one saved without stages onto 2, every array
+    identical and sharded for its mesh."""
+    saved = (two_stages if saved_on == "two stages" else one_device_run)[1]
     checkpointer = Checkpointer(tmp_path, CheckpointConfig())
     checkpointer.save(5, saved, {"position": 5}, {"param_shapes": param_shapes(saved.params)})
     checkpointer.close()
-    for mesh_shape in [(1, 8, 1, 1), (4, 2, 1, 1)]:
+    for mesh_shape in restored_on:
         program = program_for(mesh_shape)
         checkpointer = Checkpointer(tmp_path, CheckpointConfig())
         restored, _ = checkpointer.restore(5, program.abstract_state())
