@@ -13,18 +13,45 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from input_pipeline.errors import DataError
+
 _END = object()
 
 
-def to_global(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """This host's rows -> one global array per field (rows of all hosts, in process order), each
-    with `sharding`: the batch sharding the jitted steps declare."""
+def row_feeders(sharding: NamedSharding) -> tuple[int, int]:
+    """`(index, count)`: this process's place among the processes that feed distinct rows of a
+    batch laid out by `sharding`, and how many such row blocks there are. Processes whose devices
+    hold the same rows (pipeline stages on different hosts: the batch is replicated over `stage`)
+    must feed the same rows, so they share an index; without stages this is
+    `(process_index, process_count)`."""
+    if jax.process_count() == 1:
+        return 0, 1
+    rows = sharding.mesh.devices.size  # every split of the row axis divides it
+    spans: dict[int, tuple[int, int]] = {}
+    for device, (index, *_) in sharding.devices_indices_map((rows, 1)).items():
+        start, stop, _ = index.indices(rows)
+        low, high = spans.get(device.process_index, (start, stop))
+        spans[device.process_index] = (min(low, start), max(high, stop))
+    blocks = sorted(set(spans.values()))
+    size = rows // len(blocks)
+    if blocks != [(i * size, (i + 1) * size) for i in range(len(blocks))]:
+        raise DataError(
+            f"the batch's row blocks per process {blocks} do not tile its {rows} rows evenly; "
+            "give every process the same number of devices of each mesh axis"
+        )
+    return blocks.index(spans[jax.process_index()]), len(blocks)
+
+
+def to_global(
+    batch: Mapping[str, np.ndarray], sharding: NamedSharding, feeders: int = 1
+) -> dict[str, jax.Array]:
+    """This host's rows -> one global array per field (every row block in order, each fed by
+    `feeders`' processes: `row_feeders`), each with `sharding`, the one the jitted steps declare."""
     local = {name: np.asarray(value) for name, value in batch.items()}
-    processes = jax.process_count()
-    if processes == 1:  # this host's rows are the global batch: one batched transfer
+    if jax.process_count() == 1:  # this host's rows are the global batch: one batched transfer
         return jax.device_put(local, sharding)
     global_shapes = {
-        name: (value.shape[0] * processes, *value.shape[1:]) for name, value in local.items()
+        name: (value.shape[0] * feeders, *value.shape[1:]) for name, value in local.items()
     }
     return jax.make_array_from_process_local_data(sharding, local, global_shapes)
 
@@ -41,6 +68,7 @@ class DeviceFeed:
     def __init__(self, host_iterator: Iterator, sharding: NamedSharding, prefetch: int = 4):
         self._iterator = host_iterator
         self._sharding = sharding
+        self._feeders = row_feeders(sharding)[1]
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._free_slots: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, prefetch)):
@@ -56,7 +84,7 @@ class DeviceFeed:
         try:
             for host_batch in self._iterator:
                 state = self._iterator.get_state() if hasattr(self._iterator, "get_state") else None
-                item = (to_global(host_batch, self._sharding), state)
+                item = (to_global(host_batch, self._sharding, self._feeders), state)
                 if not self._take_free_slot():
                     return
                 self._ready.put(item)

@@ -525,3 +525,26 @@ def test_finished_eval_streams_pad_with_zero_weight_rows():
     )
     weights = [next(batches)["weights"][:, 0].tolist() for _ in range(3)]
     assert weights == [[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
+
+
+@pytest.mark.slow
+def test_pipeline_stages_on_two_hosts_match_one(
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root
+):
+    """launch/local.sh 2 with mesh.stage=2: each host is one stage, both need every row of the
+    batch, so both read both streams; the losses are the one-process run's."""
+    staged, log_path = tmp_path / "staged", tmp_path / "local.log"
+    cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
+    cmd += run_args(corpus, staged, "mesh.stage=2", "mesh.data=4")
+    with log_path.open("w") as log:
+        env = cpu_env(**compile_cache(tmp_path_factory))
+        status = subprocess.run(cmd, cwd=repo_root, env=env, stdout=log, stderr=log, timeout=600)
+    log = log_path.read_text()
+    assert status.returncode == 0, log[-3000:]
+    assert "pipeline 2 stages x 4 microbatches" in log
+    assert_losses_match(staged, baseline, range(1, STEPS + 1))
+    for index in range(2):  # each host saved the position of both streams
+        state = json.loads(
+            (staged / "checkpoints/3/data" / f"process_{index}-of-2.json").read_text()
+        )
+        assert list(state["positions"]) == ["0", "1"]

@@ -15,6 +15,7 @@ import jax
 
 from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
+from input_pipeline.device import row_feeders
 from input_pipeline.errors import DataError
 from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
@@ -22,6 +23,7 @@ from input_pipeline.records import MemorySource, available_memory, count_skipped
 from input_pipeline.streams import StreamBatches
 from trainer.config import Config
 from trainer.errors import ConfigError
+from trainer.parallel.sharding import batch_sharding, make_mesh
 
 
 @dataclass
@@ -41,9 +43,16 @@ class DataSources:
     source_tokens: Callable[[Any], dict[str, float]] | None = None
 
 
+def row_feeder(config: Config) -> tuple[int, int]:
+    """This process's place among the processes that feed distinct rows of the configured mesh's
+    batches, and their count: the process count, unless pipeline stages span hosts (then the
+    hosts of one row block feed the same rows; `input_pipeline.device.row_feeders`)."""
+    return row_feeders(batch_sharding(make_mesh(config.mesh)))
+
+
 def stream_count(config: Config) -> int:
-    """`data.streams`, or one stream per process (kept on resume, see `StreamBatches`)."""
-    return config.data.streams or jax.process_count()
+    """`data.streams`, or one stream per row feeder (kept on resume, see `StreamBatches`)."""
+    return config.data.streams or row_feeder(config)[1]
 
 
 def check_batch_layout(
@@ -131,8 +140,7 @@ def lm_batches(
     return StreamBatches(
         open_stream,
         streams or stream_count(config),
-        jax.process_index(),
-        jax.process_count(),
+        *row_feeder(config),
         pinned=config.data.streams is not None,
         pad_exhausted=not training,
     )

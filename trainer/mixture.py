@@ -13,8 +13,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import jax
-
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.mixture import MixedStream, rows_per_read, tokens_by_source
 from input_pipeline.pipeline import make_batch_iterator
@@ -28,6 +26,7 @@ from trainer.data import (
     load_dataset,
     memory_caches,
     reading_for,
+    row_feeder,
     skip_log_path,
     stream_count,
 )
@@ -94,8 +93,7 @@ def mixture_sources(config: Config) -> DataSources:
     train = StreamBatches(
         open_stream,
         stream_count(config),
-        jax.process_index(),
-        jax.process_count(),
+        *row_feeder(config),
         pinned=config.data.streams is not None,
     )
 
