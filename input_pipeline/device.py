@@ -21,8 +21,8 @@ _END = object()
 def row_feeders(sharding: NamedSharding) -> tuple[int, int]:
     """`(index, count)`: this process's place among the processes that feed distinct rows of a
     batch laid out by `sharding`, and how many such row blocks there are. Processes whose devices
-    hold the same rows (pipeline stages on different hosts: the batch is replicated over `stage`)
-    must feed the same rows, so they share an index; without stages this is
+    hold the same rows (an axis the batch is replicated over, such as `tensor`, spanning hosts)
+    must feed the same rows, so they share an index; usually this is
     `(process_index, process_count)`."""
     if jax.process_count() == 1:
         return 0, 1
@@ -32,6 +32,12 @@ def row_feeders(sharding: NamedSharding) -> tuple[int, int]:
         start, stop, _ = index.indices(rows)
         low, high = spans.get(device.process_index, (start, stop))
         spans[device.process_index] = (min(low, start), max(high, stop))
+    return row_block_of(spans, jax.process_index(), rows)
+
+
+def row_block_of(spans: Mapping[int, tuple[int, int]], process: int, rows: int) -> tuple[int, int]:
+    """`(index, count)` of `process`'s row span among the distinct spans of all processes, which
+    must tile `rows` in equal blocks."""
     blocks = sorted(set(spans.values()))
     size = rows // len(blocks)
     if blocks != [(i * size, (i + 1) * size) for i in range(len(blocks))]:
@@ -39,7 +45,7 @@ def row_feeders(sharding: NamedSharding) -> tuple[int, int]:
             f"the batch's row blocks per process {blocks} do not tile its {rows} rows evenly; "
             "give every process the same number of devices of each mesh axis"
         )
-    return blocks.index(spans[jax.process_index()]), len(blocks)
+    return blocks.index(spans[process]), len(blocks)
 
 
 def to_global(

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from conftest import TINY
 
+from input_pipeline.device import row_block_of
 from input_pipeline.errors import DataError
 from input_pipeline.streams import StreamBatches
 from trainer.config import load_config
@@ -531,8 +532,9 @@ def test_finished_eval_streams_pad_with_zero_weight_rows():
 def test_pipeline_stages_on_two_hosts_match_one(
     baseline, corpus, tmp_path, tmp_path_factory, repo_root
 ):
-    """launch/local.sh 2 with mesh.stage=2: each host is one stage, both need every row of the
-    batch, so both read both streams; the losses are the one-process run's."""
+    """launch/local.sh 2 with mesh.stage=2: each host is one stage and, outside the pipeline,
+    holds its own half of the batch's rows, so each reads its own stream; the losses are the
+    one-process run's."""
     staged, log_path = tmp_path / "staged", tmp_path / "local.log"
     cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
     cmd += run_args(corpus, staged, "mesh.stage=2", "mesh.data=4")
@@ -543,8 +545,18 @@ def test_pipeline_stages_on_two_hosts_match_one(
     assert status.returncode == 0, log[-3000:]
     assert "pipeline 2 stages x 4 microbatches" in log
     assert_losses_match(staged, baseline, range(1, STEPS + 1))
-    for index in range(2):  # each host saved the position of both streams
+    for index in range(2):
         state = json.loads(
             (staged / "checkpoints/3/data" / f"process_{index}-of-2.json").read_text()
         )
-        assert list(state["positions"]) == ["0", "1"]
+        assert list(state["positions"]) == [str(index)]
+
+
+def test_processes_holding_the_same_rows_feed_the_same_rows():
+    """Row spans of 2 processes: distinct (data parallel across hosts) or the same (an axis
+    the batch is replicated over, spanning hosts); anything else is a one-line error."""
+    assert row_block_of({0: (0, 8), 1: (8, 16)}, 1, 16) == (1, 2)
+    assert row_block_of({0: (0, 16), 1: (0, 16)}, 1, 16) == (0, 1)
+    assert row_block_of({0: (8, 16), 1: (0, 8), 2: (8, 16), 3: (0, 8)}, 2, 16) == (1, 2)
+    with pytest.raises(DataError, match="do not tile its 16 rows evenly"):
+        row_block_of({0: (0, 4), 1: (4, 16)}, 0, 16)

@@ -133,6 +133,7 @@ def test_bubble_fraction():
     [
         (["mesh.stage=3"], "model.num_layers=4 does not split into mesh.stage=3 equal stages"),
         (["mesh.stage=4", "pipeline.microbatches=2"], "pipeline.microbatches=2 is fewer than"),
+        (["mesh.stage=2", "pipeline.microbatches=3"], "microbatches=3 is not a multiple of mesh"),
     ],
 )
 def test_layouts_that_cannot_be_cut_are_one_line_errors(overrides, message):
@@ -179,7 +180,7 @@ print([sorted({d.process_index for d in mesh.devices[s].flat}) for s in range(2)
 
 def test_stages_are_laid_over_hosts_first(repo_root):
     """`stage` is the mesh's outermost axis: with two hosts, each stage is one host's devices,
-    so only the stage-to-stage activations cross the slow link between them."""
+    so only activations cross the slow link between them, never weights."""
     port = free_port()
     procs = [
         subprocess.Popen(

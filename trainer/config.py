@@ -163,8 +163,8 @@ class MeshConfig(_Section):
 class PipelineConfig(_Section):
     """How batches flow through `mesh.stage` pipeline stages (GPipe schedule)."""
 
-    # Microbatches each batch (each accumulation microbatch) is cut into; at least mesh.stage.
-    # The idle share of a step is (stage-1)/(microbatches+stage-1). None: 2 x mesh.stage
+    # Microbatches each batch (each accumulation microbatch) is cut into; a multiple of
+    # mesh.stage. The idle share of a step is (stage-1)/(microbatches+stage-1). None: 2 x stage
     microbatches: int | None = Field(None, ge=1)
 
 
@@ -289,6 +289,12 @@ class Config(_Section):
             raise ValueError(
                 f"pipeline.microbatches={microbatches} is fewer than mesh.stage={stages}; "
                 f"use at least {stages} (the idle share is (stages-1)/(microbatches+stages-1))"
+            )
+        if microbatches % stages:
+            raise ValueError(
+                f"pipeline.microbatches={microbatches} is not a multiple of mesh.stage={stages}; "
+                f"use e.g. {stages * -(-microbatches // stages)} (outside the pipeline each "
+                "stage holds its own share of every microbatch's rows)"
             )
         if self.model.kind == "transformer" and self.model.num_layers % stages:
             raise ValueError(

@@ -22,7 +22,7 @@ from trainer.models.matmul import BF16_DOT, linear_dot_general
 from trainer.models.rope import RopeScaling, freeze_scaling
 from trainer.parallel.offload import offload_dots_policy
 from trainer.parallel.pipeline import PipelineSpec, run_pipeline
-from trainer.parallel.sharding import rows_like_the_batch
+from trainer.parallel.sharding import STAGE_BATCH_AXES, rows_like_the_batch
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -115,7 +115,9 @@ class Block(nnx.Module):
         h = self.attn(self.attn_norm(x_BxLxD), layout)
         x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[0])
         h = self.mlp(self.mlp_norm(x_BxLxD))
-        return rows_like_the_batch(x_BxLxD + dropout(h, self.dropout_rate, keys[1]))
+        # inside a pipeline stage (vmapped over `stage`) rows split over (data, fsdp) only
+        x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[1])
+        return rows_like_the_batch(x_BxLxD, STAGE_BATCH_AXES)
 
 
 class Transformer(nnx.Module):

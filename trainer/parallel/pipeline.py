@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from trainer.parallel.sharding import BATCH_AXES
+from trainer.parallel.sharding import STAGE_BATCH_AXES
 
 PyTree = Any
 ANY = PartitionSpec.UNCONSTRAINED
@@ -93,9 +93,10 @@ def _by_stage(x: jax.Array) -> jax.Array:
 
 def _microbatches(x: jax.Array, count: int) -> jax.Array:
     """[B, ...] -> [count, B/count, ...] taking every count-th row, so each microbatch stays
-    spread over all data-parallel devices (as `trainer.step` splits accumulation microbatches)."""
+    spread over all data-parallel devices of a stage (as `trainer.step` splits accumulation
+    microbatches); the rows that other stages held outside the pipeline are gathered here."""
     x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
-    spec = PartitionSpec(None, BATCH_AXES, *([ANY] * (x.ndim - 2)))
+    spec = PartitionSpec(None, STAGE_BATCH_AXES, *([ANY] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, spec)
 
 

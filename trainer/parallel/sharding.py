@@ -18,7 +18,11 @@ from trainer.config import MeshConfig
 from trainer.errors import ConfigError
 
 MESH_AXES = ("stage", "data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+# A batch's rows split over every axis but `tensor`: each stage's devices hold their own rows, so
+# the embedding, the output head and the loss run data-parallel over stages too. Inside the
+# pipeline a microbatch's rows split over (data, fsdp) only; `stage` then indexes the stage.
+BATCH_AXES = ("stage", "data", "fsdp")
+STAGE_BATCH_AXES = ("data", "fsdp")
 
 # FSDP shards every weight along its model-width axis; tensor parallelism splits attention heads
 # and the MLP hidden axis (column-parallel in, row-parallel out); the stacked layer axis is cut
@@ -120,20 +124,21 @@ def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> Partiti
     return PartitionSpec(*out)
 
 
-def rows_like_the_batch(x: jax.Array) -> jax.Array:
-    """Keep an activation's rows split over (data, fsdp) as the batch is, its other axes whole
-    (the last one as GSPMD likes: logits over vocab shards). Left alone, GSPMD may follow an
-    FSDP-sharded weight instead, split the model width and gather the batch: every device then
-    holds every row's activations. Outside a mesh with those axes, `x` is returned as it is."""
+def rows_like_the_batch(x: jax.Array, axes: tuple[str, ...] = BATCH_AXES) -> jax.Array:
+    """Keep an activation's rows split over the batch `axes` as the batch is, its other axes
+    whole (the last one as GSPMD likes: logits over vocab shards). Left alone, GSPMD may follow
+    an FSDP-sharded weight instead, split the model width and gather the batch: every device
+    then holds every row's activations. Outside a mesh with those axes, `x` is returned as is."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    if mesh.empty or not set(axes) <= set(mesh.axis_names):
         return x
     rest = [None] * (x.ndim - 2) + [PartitionSpec.UNCONSTRAINED] * (x.ndim > 1)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXES, *rest))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *rest))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batches split their leading axis over (data, fsdp); every device sees distinct rows."""
+    """Batches split their leading axis over (stage, data, fsdp); each device group of the
+    `tensor` axis sees its own rows."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
