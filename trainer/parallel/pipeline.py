@@ -75,8 +75,9 @@ def run_pipeline(
         rows_S = jax.tree.map(lambda r: _by_stage(r[picked]), rows_M)
         out_S = _by_stage(run_stages(stage_layers, inputs_S, rows_S, microbatch_S))
         # Every stage files its output at its own microbatch's slot, on its own devices; only
-        # the last stage's copy is read. A bubble's output lands in slot 0 or M-1 before the
-        # real one overwrites it (slots fill in increasing order).
+        # the last stage's copy is read. There a filling iteration's output lands in slot 0
+        # before the real one overwrites it, and draining never comes: its last real output is
+        # the last iteration's. (Other stages' slot M-1 ends up holding drain garbage, unread.)
         outputs_S = jax.vmap(lambda o, y, m: o.at[m].set(y))(outputs_S, out_S, picked)
         return (jnp.roll(out_S, 1, axis=0), outputs_S), None
 
