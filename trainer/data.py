@@ -97,6 +97,18 @@ def check_batch_layout(
         )
 
 
+def check_config_batch_layout(config: Config, batch_shards: int, streams: int = 1) -> None:
+    """`check_batch_layout` for `config`'s global batch, accumulation and pipeline microbatches
+    (the run and `trainer.plan` check the same cuts)."""
+    check_batch_layout(
+        config.data.global_batch_size,
+        config.optim.accum_steps,
+        batch_shards,
+        streams,
+        microbatches=config.pipeline_microbatches if config.mesh.stage > 1 else 1,
+    )
+
+
 def load_dataset(config: Config, path: str | None = None) -> DatasetInfo:
     """The prepared dataset folder `path` (default `data.path`; built-in corpora are prepared on
     first use), its shards checked against their recorded checksums unless

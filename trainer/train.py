@@ -14,7 +14,7 @@ from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import Config
 from trainer.data import (
     DataSources,
-    check_batch_layout,
+    check_config_batch_layout,
     dataset_sources,
     stream_count,
     user_sources,
@@ -122,12 +122,10 @@ def _run(
             f"mesh.stage={pipeline.stages} splits the built-in transformer's layer stack; a "
             "model passed to trainer.run is not split into stages: use mesh.stage=1"
         )
-    check_batch_layout(
-        config.data.global_batch_size,
-        config.optim.accum_steps,
+    check_config_batch_layout(
+        config,
         batch_shards=mesh.shape["data"] * mesh.shape["fsdp"] if ours else 1,
         streams=stream_count(config) if ours else 1,
-        microbatches=pipeline.microbatches if pipeline else 1,
     )
     sources = dataset_sources(config) if ours else user_sources(data, eval_data)
     if model is None:

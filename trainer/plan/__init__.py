@@ -19,7 +19,7 @@ import jax
 
 from input_pipeline.packing import FIELDS
 from trainer.config import Config, load_config
-from trainer.data import check_batch_layout
+from trainer.data import check_config_batch_layout
 from trainer.errors import ConfigError
 from trainer.observe.flops import flops_per_token
 from trainer.parallel import sharding
@@ -27,7 +27,7 @@ from trainer.parallel.offload import device_bytes
 from trainer.parallel.program import build_program
 from trainer.plan.changes import Step, changes, knob_steps, overrides_of
 from trainer.plan.report import Footprint, format_bytes, parse_size, report, verdict
-from trainer.train import builder_for_vocab, pipeline_spec
+from trainer.train import builder_for_vocab
 
 USAGE_EXIT = 2
 DEFAULT_VOCAB = 256  # model.vocab_size unset: the built-in corpora's byte-level vocabulary
@@ -57,14 +57,8 @@ def measure(config: Config, devices: list[jax.Device]) -> Footprint:
     """Compile `config`'s train step for `devices` from abstract state and batch; read what one
     device holds. A config the trainer would reject raises the trainer's ConfigError."""
     mesh = sharding.make_mesh(config.mesh, devices)
-    pipeline = pipeline_spec(config)
     rows, seq_len = config.data.global_batch_size, config.data.seq_len
-    check_batch_layout(
-        rows,
-        config.optim.accum_steps,
-        mesh.shape["data"] * mesh.shape["fsdp"],
-        microbatches=pipeline.microbatches if pipeline else 1,
-    )
+    check_config_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
     vocab = config.model.vocab_size or DEFAULT_VOCAB
     program = build_program(config, mesh, builder_for_vocab(config, vocab))
     state = program.abstract_state()
