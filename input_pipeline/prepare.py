@@ -12,12 +12,13 @@ training text (`--tokenizer-sample-sentences`); `--tokenizer PATH.model` uses an
 Each is stored in the dataset folder.
 
 Documents stream from the files to the shard writers in groups of about `--group-mb` of input,
-tokenized by `--workers` processes (default: every core), so memory does not grow with the
-corpus. Groups are written into `.<output>.partial/` and marked finished one by one: re-running a
-killed prepare with the same command resumes it. `--num-parts N --part i` prepares one slice of
-the groups (a Slurm array task, or one of N processes); the last part to finish, or a final run
-with `--merge`, writes `dataset.json`. The output appears atomically: a killed prepare never
-leaves a folder that looks complete.
+tokenized by `--workers` processes (default: every core), so memory grows neither with the corpus
+nor with its number of groups (each process hands a finished group's memory back). Groups are
+written into `.<output>.partial/` and marked finished one by one: re-running a killed prepare
+with the same command resumes it. `--num-parts N --part i` prepares one slice of the groups (a
+Slurm array task, or one of N processes); the last part to finish, or a final run with
+`--merge`, writes `dataset.json`. The output appears atomically: a killed prepare never leaves a
+folder that looks complete.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ that group keeps aside (`fallback`) until the merge knows whether any group foun
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -198,7 +199,20 @@ def prepare_file_group(
         rec.tokenizer(threads),
         last_group=last,
     )
+    release_freed_memory()
     return sum(p["end"] - p["start"] for p in pieces)
+
+
+def release_freed_memory() -> None:
+    """Give the heap pages a finished group freed back to the OS, so a process that writes group
+    after group stays at one group's memory. glibc otherwise keeps them: after the first 16 MB
+    ArrayRecord file buffer is freed it serves the next ones from its heap, where they fragment
+    it, and a prepare grew by about 1 MB a group (issue 29). A no-op off glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc (macOS, musl, Windows)
+        return
+    trim(0)
 
 
 def run_file_group(task: tuple) -> int:
