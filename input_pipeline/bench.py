@@ -44,6 +44,8 @@ def configured_batches(info: DatasetInfo, data, seed: int) -> Iterator[dict[str,
             workers=data.workers,
             reader=data.reader,
         ),
+        max_docs_per_row=data.resolved_max_docs_per_row,
+        concat_offset=data.concat_offset,
     )
 
 

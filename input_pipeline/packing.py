@@ -12,6 +12,11 @@ same order, a document cut at a row end goes on at position 0 of the next row, s
 restart at 1 per row, 0 is padding, and the data's end is padded with zero-weight rows. One
 difference: a record with no pairs (impossible from `prepare`, which keeps >= 2 tokens) is
 skipped here, where ConcatThenSplit spent a segment id on it.
+
+`max_docs_per_row` bounds the pieces (segment ids) of a row, as the packed-document attention
+kernel takes a static count: when the piece that reaches the bound ends inside its row, the rest
+of that row is padding and the next document starts the next row. No document is merged or
+dropped; with the bound never reached, batches are the ones above.
 """
 
 from __future__ import annotations
@@ -41,28 +46,51 @@ class ConcatPackIterDataset(grain.IterDataset):
     A parent element is one record, or a sequence of records read together (one Grain element
     per read keeps Grain's per-element cost off the per-record path)."""
 
-    def __init__(self, parent: grain.IterDataset, *, seq_len: int, batch_size: int):
+    def __init__(
+        self,
+        parent: grain.IterDataset,
+        *,
+        seq_len: int,
+        batch_size: int,
+        max_docs_per_row: int | None = None,
+    ):
         super().__init__(parent)
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+        if max_docs_per_row is not None and max_docs_per_row < 1:
+            raise ValueError(f"max_docs_per_row={max_docs_per_row} must be >= 1 (or None)")
         self.seq_len = seq_len
         self.batch_size = batch_size
+        self.max_docs_per_row = max_docs_per_row
 
     def __iter__(self) -> grain.DatasetIterator:
-        return ConcatPackIterator(self._parent.__iter__(), self.seq_len, self.batch_size)
+        return ConcatPackIterator(
+            self._parent.__iter__(), self.seq_len, self.batch_size, self.max_docs_per_row
+        )
 
     def __str__(self) -> str:
-        return f"ConcatPackIterDataset(seq_len={self.seq_len}, batch_size={self.batch_size})"
+        return (
+            f"ConcatPackIterDataset(seq_len={self.seq_len}, batch_size={self.batch_size}, "
+            f"max_docs_per_row={self.max_docs_per_row})"
+        )
 
 
 class ConcatPackIterator(grain.DatasetIterator):
     """The packer. Its state is the parent's state from before the element being consumed, the
     record within that element and the pairs of it already packed: restoring re-reads that one
-    element and goes on at the same pair, so the next batch is the one that would have come."""
+    element and goes on at the same pair, so the next batch is the one that would have come.
+    (A batch always starts at a row start, so the pieces of a row need no state.)"""
 
-    def __init__(self, parent: grain.DatasetIterator, seq_len: int, batch_size: int):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        seq_len: int,
+        batch_size: int,
+        max_docs_per_row: int | None = None,
+    ):
         super().__init__(parent)
         self._shape = (batch_size, seq_len)
+        self._max_pieces = max_docs_per_row or batch_size * seq_len  # None: never reached
         self._size = batch_size * seq_len
         self._row_positions = np.arange(seq_len, dtype=np.int32)
         # Most rows lie inside one document: positions 0..L-1 and segment id 1 throughout.
@@ -97,7 +125,10 @@ class ConcatPackIterator(grain.DatasetIterator):
         self._assert_not_closed()
         fields = {name: np.empty(self._size, dtype) for name, dtype in FIELDS.items()}
         inputs, targets = fields["inputs"], fields["targets"]
+        seq_len = self._shape[1]
         document_starts = []  # flat offsets where a document begins inside this batch
+        gaps = []  # (start, stop): padding that ends a row holding `max_docs_per_row` pieces
+        pieces, pieces_row = 0, -1  # pieces so far in the row of the latest document start
         filled = 0
         while filled < self._size:
             record = self._current_record()
@@ -105,20 +136,37 @@ class ConcatPackIterator(grain.DatasetIterator):
                 break
             record_inputs = record["inputs"]
             take = min(len(record_inputs) - self._offset, self._size - filled)
-            if take > 0:
-                end, stop = filled + take, self._offset + take
-                inputs[filled:end] = record_inputs[self._offset : stop]
-                targets[filled:end] = record["targets"][self._offset : stop]
-                if self._offset == 0:
-                    document_starts.append(filled)
-                filled, self._offset = end, stop
+            if take <= 0:  # a record with no pairs
+                self._record, self._offset = self._record + 1, 0
+                continue
+            end, stop = filled + take, self._offset + take
+            inputs[filled:end] = record_inputs[self._offset : stop]
+            targets[filled:end] = record["targets"][self._offset : stop]
+            if self._offset == 0:
+                document_starts.append(filled)
+                pieces, pieces_row = _count_piece(filled, seq_len, pieces, pieces_row)
+            filled, self._offset = end, stop
             if self._offset >= len(record_inputs):
-                self._record += 1
-                self._offset = 0
+                self._record, self._offset = self._record + 1, 0
+                row_end = self._row_end_if_full(filled, pieces, pieces_row)
+                if row_end > filled:
+                    gaps.append((filled, row_end))
+                    filled = row_end
         if filled == 0:
             raise StopIteration
         self._fill_pieces(fields, document_starts, filled)
+        for start, stop in gaps:
+            for array in fields.values():
+                array[start:stop] = 0
         return {name: array.reshape(self._shape) for name, array in fields.items()}
+
+    def _row_end_if_full(self, filled: int, pieces: int, pieces_row: int) -> int:
+        """Where the next document starts once one ends at `filled`: the next row's start when
+        this row already holds `max_docs_per_row` pieces (a document that began in an earlier
+        row is this row's first), else right here."""
+        seq_len = self._shape[1]
+        in_row = pieces if pieces_row == (filled - 1) // seq_len else 1
+        return -(-filled // seq_len) * seq_len if in_row >= self._max_pieces else filled
 
     def _fill_pieces(self, fields: dict[str, np.ndarray], document_starts: list[int], filled: int):
         """Segment ids, positions and weights: whole-row defaults, then from each document start
@@ -160,4 +208,13 @@ class ConcatPackIterator(grain.DatasetIterator):
             self._record, self._offset = state["record"], state["offset"]
 
     def __str__(self) -> str:
-        return f"ConcatPackIterator(batch={self._shape})"
+        return f"ConcatPackIterator(batch={self._shape}, max_docs_per_row={self._max_pieces})"
+
+
+def _count_piece(start: int, seq_len: int, pieces: int, pieces_row: int) -> tuple[int, int]:
+    """The pieces of its row once a document starts at flat offset `start`, and that row: a
+    document starting mid-row after one that began in an earlier row is the row's second piece."""
+    row, column = divmod(start, seq_len)
+    if column == 0:
+        return 1, row
+    return (pieces + 1 if row == pieces_row else 2), row

@@ -4,7 +4,8 @@ per-host split -> seeded global shuffle (new order every epoch) -> repeat -> dec
 seq_len -> batch (this host's share) -> batch contract -> optional worker processes.
 
 Batch contract: `inputs`, `targets`, `segment_ids`, `positions` int32 `[B, L]`, `weights` float32
-`[B, L]` (0 on padding). Segment ids restart at 1 per row, 0 marks padding.
+`[B, L]` (0 on padding). Segment ids restart at 1 per row, 0 marks padding; a row holds at most
+`max_docs_per_row` segments (both packers pad the rest of a row that reaches it).
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
 from input_pipeline.tfrecords import tfrecord_pairs
+from input_pipeline.workers import host_only_worker
 
 PACKING_MODES = ("concat", "first_fit")
+# none: concat rows are cut where the stream of records puts them; random_per_epoch: each epoch's
+# first record also loses a seeded 0..seq_len-1 leading pairs, which moves every cut after it.
+CONCAT_OFFSETS = ("none", "random_per_epoch")
+EPOCH_SHIFT_KEY = 1  # keeps the shift's random stream apart from the shuffle's
 FEATURES = ("inputs", "targets")
 # One Grain element per ArrayRecord read of ~1M tokens (at most MAX_READ_RECORDS records): fewer,
 # larger reads spread decompression over ArrayRecord's own threads (BENCHMARKS.md). Restoring a
@@ -37,7 +43,10 @@ class ReadRecords(grain.transforms.Map):
     A read of many records per Grain element keeps Grain's per-element cost (a thread-pool
     future, its stats) off the per-record path, and a numpy permutation per epoch costs nothing
     per record, where Grain's `index_shuffle` costs a call per record. Records `CheckedSource`
-    could not read (`data.skip_corrupt`) are dropped."""
+    could not read (`data.skip_corrupt`) are dropped. With `epoch_shift` > 0 the first record of
+    every epoch starts a seeded `0..epoch_shift-1` pairs late (never past its last pair), so
+    concat packing cuts new windows each epoch; a pure function of the read number, so resuming
+    re-reads the same shifted record."""
 
     def __init__(
         self,
@@ -50,12 +59,14 @@ class ReadRecords(grain.transforms.Map):
         seed: int,
         num_epochs: int | None,
         per_read: int,
+        epoch_shift: int = 0,
     ):
         self.source = source
         self.decode = DecodeRecord(dtype)
         self.host_index, self.host_count = host_index, host_count
         self.host_records = len(range(host_index, len(source), host_count))
         self.shuffle, self.seed, self.per_read = shuffle, seed, per_read
+        self.epoch_shift = epoch_shift
         self.total = None if num_epochs is None else self.host_records * num_epochs
         self._orders: dict[int, np.ndarray] = {}  # the latest epochs' permutations
 
@@ -71,18 +82,31 @@ class ReadRecords(grain.transforms.Map):
             return order
         return orders[epoch]
 
+    def _shifted(self, record: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
+        """An epoch's first record, its first k pairs dropped: k seeded by (seed, epoch, this
+        stream), below `epoch_shift` and below the record's pair count."""
+        pairs = len(record["inputs"])
+        rng = np.random.default_rng([self.seed, epoch, self.host_index, EPOCH_SHIFT_KEY])
+        k = int(rng.integers(min(self.epoch_shift, pairs))) if pairs > 1 else 0
+        return {name: value[k:] for name, value in record.items()}
+
     def map(self, read: int) -> list[dict[str, np.ndarray]]:
         start = read * self.per_read
         stop = start + self.per_read
         if self.total is not None:
             stop = min(stop, self.total)
         epochs, local = np.divmod(np.arange(start, stop), self.host_records)
+        firsts = np.flatnonzero(local == 0) if self.epoch_shift else []  # epochs' first records
         if self.shuffle:
             local = np.concatenate(
                 [self._order(e)[local[epochs == e]] for e in range(epochs[0], epochs[-1] + 1)]
             )
         records = self.source.read_many(self.host_index + local * self.host_count)
-        return [self.decode.map(record) for record in records if record is not None]
+        decoded = [None if record is None else self.decode.map(record) for record in records]
+        for i in firsts:
+            if decoded[i] is not None:
+                decoded[i] = self._shifted(decoded[i], int(epochs[i]))
+        return [record for record in decoded if record is not None]
 
 
 class ToBatchContract(grain.transforms.Map):
@@ -159,11 +183,12 @@ def arrayrecord_pairs(
     split: str,
     reading: Reading,
     source: MemorySource | None = None,
+    epoch_shift: int = 0,
 ) -> grain.IterDataset:
     """This host's decoded `{"inputs", "targets"}` records of an ArrayRecord split, a list of
     ~`READ_TOKENS` tokens of records per element: split -> global shuffle (new order every
     epoch) -> repeat -> read + decode, on `reading.read_threads` threads. `source` (e.g. a
-    `MemorySource`) replaces reading the shards from storage."""
+    `MemorySource`) replaces reading the shards from storage; `epoch_shift` as `ReadRecords`."""
     if info.format != "arrayrecord":
         raise DataError(
             f"{info.path} has format {info.format!r}; this version reads arrayrecord or "
@@ -185,6 +210,7 @@ def arrayrecord_pairs(
         seed=reading.seed,
         num_epochs=reading.num_epochs,
         per_read=min(MAX_READ_RECORDS, max(1, round(READ_TOKENS / max(1.0, mean_tokens)))),
+        epoch_shift=epoch_shift,
     )
     if reads.host_records == 0:
         raise DataError(
@@ -208,22 +234,25 @@ def make_batch_iterator(
     packing: str = "concat",
     reading: Reading | None = None,
     source: MemorySource | None = None,
+    max_docs_per_row: int | None = None,
+    concat_offset: str = "none",
 ) -> grain.DatasetIterator:
     """This host's batches of `split`, read as `reading` says (default `Reading()`), or from
     `source` (an ArrayRecord split already in RAM); the iterator's state checkpoints its exact
-    position. Both shard formats meet the same packing."""
+    position. Both shard formats meet the same packing. Rows hold at most `max_docs_per_row`
+    documents (None: no bound); `concat_offset` is one of `CONCAT_OFFSETS`."""
     reading = reading or Reading()
-    if seq_len < 2 or batch_size < 1:
-        raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
-    if packing not in PACKING_MODES:
-        raise DataError(f"data.packing={packing!r} is unknown; use one of {PACKING_MODES}")
+    check_packing(info, seq_len, batch_size, packing, max_docs_per_row, concat_offset)
     if info.format == "tfrecord":
         pairs = tfrecord_pairs(info, split, reading)
     else:
-        pairs = arrayrecord_pairs(info, split, reading, source)
+        shift = seq_len if concat_offset == "random_per_epoch" else 0
+        pairs = arrayrecord_pairs(info, split, reading, source, epoch_shift=shift)
     lengths = {name: seq_len for name in FEATURES}
     if packing == "concat":
-        batches = ConcatPackIterDataset(pairs, seq_len=seq_len, batch_size=batch_size)
+        batches = ConcatPackIterDataset(
+            pairs, seq_len=seq_len, batch_size=batch_size, max_docs_per_row=max_docs_per_row
+        )
     else:
         max_record = int(info.raw.get("max_record_tokens", seq_len))
         pieces = grain.experimental.FlatMapIterDataset(pairs, SplitToLength(seq_len, max_record))
@@ -233,9 +262,38 @@ def make_batch_iterator(
             num_packing_bins=batch_size,
             seed=reading.seed,
             shuffle_bins=reading.shuffle,
+            max_sequences_per_bin=max_docs_per_row,
         )
         batches = rows.map(ToBatchContract()).batch(batch_size, drop_remainder=False)
         batches = batches.map(PadBatch(batch_size))
     if reading.workers > 0:
-        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=reading.workers))
+        options = grain.MultiprocessingOptions(num_workers=reading.workers)
+        batches = batches.mp_prefetch(options, worker_init_fn=host_only_worker)
     return iter(batches)
+
+
+def check_packing(
+    info: DatasetInfo,
+    seq_len: int,
+    batch_size: int,
+    packing: str,
+    max_docs_per_row: int | None,
+    concat_offset: str,
+) -> None:
+    """One-line `DataError`s for packing arguments the chain cannot honour."""
+    if seq_len < 2 or batch_size < 1:
+        raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
+    if packing not in PACKING_MODES:
+        raise DataError(f"data.packing={packing!r} is unknown; use one of {PACKING_MODES}")
+    if max_docs_per_row is not None and max_docs_per_row < 1:
+        raise DataError(f"data.max_docs_per_row={max_docs_per_row} must be >= 1")
+    if concat_offset not in CONCAT_OFFSETS:
+        raise DataError(
+            f"data.concat_offset={concat_offset!r} is unknown; use one of {CONCAT_OFFSETS}"
+        )
+    if concat_offset != "none" and (packing != "concat" or info.format != "arrayrecord"):
+        raise DataError(
+            f"data.concat_offset={concat_offset} needs data.packing=concat over an ArrayRecord "
+            f"dataset (this is packing={packing}, {info.path} is {info.format}); "
+            "use data.concat_offset=none"
+        )

@@ -1,6 +1,10 @@
-"""Every test sees 8 fake CPU devices, so each sharding layout runs on a laptop."""
+"""Every test sees 8 fake CPU devices, so each sharding layout runs on a laptop, and on a GPU or
+TPU host as well: the suite pins the CPU platform, for its own processes and every process they
+start (they inherit the environment), so none takes accelerator memory and every mesh finds its 8
+devices. Only `python -m pytest -m gpu` (tests/test_attention_gpu.py) runs on the GPU."""
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -15,6 +19,33 @@ from absl import flags  # noqa: E402
 flags.FLAGS.mark_as_parsed()  # Grain worker processes read absl flags
 
 REPO = Path(__file__).resolve().parents[1]
+GPU_MARKER = "gpu"
+
+
+def gpu_selected(markexpr: str) -> bool:
+    """Whether `-m` asks for the GPU tests (`-m gpu`, `-m "gpu and not slow"`; not `-m "not
+    gpu"`)."""
+    return bool(re.search(rf"(?<!not )\b{GPU_MARKER}\b", markexpr))
+
+
+def pytest_configure(config):
+    """Before any test module imports jax (and in each xdist worker, which runs this too): the
+    CPU platform, unless the GPU tests are asked for. Then the GPU is shared by the workers, so
+    none preallocates 75% of it."""
+    if gpu_selected(config.option.markexpr):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # also for children that reset JAX_* variables
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_selected(config.option.markexpr):
+        return
+    skip = pytest.mark.skip(reason="GPU test: run it with `python -m pytest -m gpu` on a GPU host")
+    for item in items:
+        if GPU_MARKER in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -198,3 +198,18 @@ def test_import_path_model(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "user_models", raising=False)
     model = make(["model.kind=user_models.mlp:build", "model.args.extra=2"])
     assert model(batch_of(np.zeros((1, 4)))).shape == (1, 4, 66)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_fresh_model_starts_near_the_loss_of_a_uniform_guess(tied):
+    """With a GPT-2 sized vocabulary the first loss sits within 1.0 of ln V, tied or not (the
+    tied embedding was initialised with std 1 and started at 513 at d_model 768)."""
+    from trainer.step import next_token_loss
+
+    vocab = 50304
+    model = make([f"model.tie_embeddings={str(tied).lower()}", "model.d_model=64"], vocab=vocab)
+    tokens = np.random.default_rng(0).integers(0, vocab, (2, 33))
+    batch = batch_of(tokens[:, :-1])
+    batch["targets"], batch["weights"] = jnp.asarray(tokens[:, 1:]), jnp.ones((2, 32))
+    loss, _ = next_token_loss(model, batch)
+    assert abs(float(loss) - np.log(vocab)) < 1.0

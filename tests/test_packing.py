@@ -7,8 +7,10 @@ import pickle
 import grain
 import numpy as np
 import pytest
+from conftest import take
 
 from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.errors import DataError
 from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.pipeline import (
     FEATURES,
@@ -20,6 +22,8 @@ from input_pipeline.pipeline import (
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord
+from trainer.config import load_config
+from trainer.errors import ConfigError
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "weights")
 
@@ -214,3 +218,301 @@ def test_batched_reads_match_record_reads_and_survive_pickling(dataset):
     expected = [source[k] for k in keys]
     assert source.read_many(keys) == expected  # in the asked order, across shards
     assert pickle.loads(pickle.dumps(source)).read_many(keys) == expected  # worker processes
+
+
+# --------------------------------------------------------------------------- documents per row
+
+
+def reference_batches(records, seq_len, batch_size, max_docs):
+    """A token-at-a-time packer to check against: concat packing, where a row whose latest
+    document ended mid-row holding `max_docs` pieces is padded to its end."""
+    rows, row, pieces = [], [], 0
+
+    def close_row():
+        nonlocal row, pieces
+        rows.append(row + [(0, 0, 0, 0)] * (seq_len - len(row)))
+        row, pieces = [], 0
+
+    for record in records:
+        count = len(record["inputs"])
+        for i in range(count):
+            if len(row) == seq_len:
+                close_row()
+            if i == 0 or not row:  # a piece begins: a document start, or a row start
+                pieces += 1
+                start = len(row)
+            token = (int(record["inputs"][i]), int(record["targets"][i]), pieces, len(row) - start)
+            row.append(token)
+        if count and pieces >= max_docs and 0 < len(row) < seq_len:
+            close_row()
+    if row:
+        close_row()
+    rows += [[(0, 0, 0, 0)] * seq_len] * (-len(rows) % batch_size)
+    table = np.array(rows, np.int32).reshape(-1, batch_size, seq_len, 4)
+    return [
+        {
+            "inputs": b[..., 0],
+            "targets": b[..., 1],
+            "segment_ids": b[..., 2],
+            "positions": b[..., 3],
+            "weights": (b[..., 2] > 0).astype(np.float32),
+        }
+        for b in table
+    ]
+
+
+def bounded(elements, seq_len, batch_size, max_docs):
+    parent = grain.MapDataset.source(elements).to_iter_dataset()
+    dataset = ConcatPackIterDataset(
+        parent, seq_len=seq_len, batch_size=batch_size, max_docs_per_row=max_docs
+    )
+    return iter(dataset)
+
+
+@pytest.mark.parametrize("max_docs", [1, 2, 3, 7])
+@pytest.mark.parametrize("seq_len,batch_size", [(50, 4), (300, 2), (7, 5)])
+@pytest.mark.parametrize("read_size", [1, 6])
+def test_bounded_rows_equal_a_token_at_a_time_reference(
+    records, max_docs, seq_len, batch_size, read_size
+):
+    """Every pair once, in order; at most `max_docs` pieces per row; the rest of a row that
+    reaches the bound is padding and the next document starts the next row."""
+    elements = records if read_size == 1 else in_reads(records, read_size)
+    new = list(bounded(elements, seq_len, batch_size, max_docs))
+    want = reference_batches(records, seq_len, batch_size, max_docs)
+    assert len(new) == len(want) > 1
+    for a, b in zip(new, want, strict=True):
+        assert_same(a, b)
+        assert_rows_well_formed(a, max_docs)
+
+
+def test_a_bound_never_reached_changes_nothing(records):
+    """The test data holds at most a dozen pieces per 300-token row: a bound above that gives
+    the unbounded batches, a bound below it does not."""
+    most = max(int(b["segment_ids"].max()) for b in packed(records, 300, 2))
+    assert 2 < most < 40
+    for a, b in zip(bounded(records, 300, 2, most), packed(records, 300, 2), strict=True):
+        assert_same(a, b)
+    assert len(list(bounded(records, 300, 2, most - 1))) >= len(list(packed(records, 300, 2)))
+    assert any(
+        not np.array_equal(a["inputs"], b["inputs"])
+        for a, b in zip(bounded(records, 300, 2, 2), packed(records, 300, 2), strict=False)
+    )
+
+
+@pytest.mark.parametrize("taken", [0, 1, 5, 11])
+def test_bounded_state_restores_the_next_batch_exactly(records, taken):
+    elements = in_reads(records, 4)
+    it = bounded(elements, 50, 3, 2)
+    for _ in range(taken):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = list(it)
+    fresh = bounded(elements, 50, 3, 2)
+    fresh.set_state(state)
+    resumed = list(fresh)
+    assert len(resumed) == len(expected) > 0
+    for a, b in zip(resumed, expected, strict=True):
+        assert_same(a, b)
+
+
+def assert_rows_well_formed(batch, bound):
+    """What the packed-document kernel's offsets are derived from: in each row, documents
+    1..k (k <= bound) one after another from column 0, positions counting from 0 in each,
+    then padding (segment 0, weight 0, position 0) to the row's end."""
+    for segments, positions in zip(batch["segment_ids"], batch["positions"], strict=True):
+        used = int((segments > 0).sum())
+        assert not segments[used:].any() and not positions[used:].any()
+        docs, where = segments[:used], positions[:used]
+        if used:
+            assert docs[0] == 1 and where[0] == 0 and docs[-1] <= bound
+            step = np.diff(docs)
+            assert set(step.tolist()) <= {0, 1}
+            np.testing.assert_array_equal(where[1:][step == 1], 0)
+            np.testing.assert_array_equal(np.diff(where)[step == 0], 1)
+    np.testing.assert_array_equal(batch["weights"], batch["segment_ids"] > 0)
+
+
+def pieces_of(batches):
+    """The inputs of every segment of every row (padding left out), as bytes."""
+    found = []
+    for batch in batches:
+        for inputs, segments in zip(batch["inputs"], batch["segment_ids"], strict=True):
+            found += [bytes(inputs[segments == s].astype(np.uint8)) for s in set(segments) - {0}]
+    return found
+
+
+def test_first_fit_rows_hold_at_most_the_bound_and_every_piece(dataset):
+    """first_fit packs whole pieces (records cut to rows): the bound keeps each of them, once."""
+    kw = dict(seq_len=128, batch_size=4, packing="first_fit")
+
+    def batches(bound):
+        reading = Reading(shuffle=False, num_epochs=1)
+        return list(
+            make_batch_iterator(dataset, "train", reading=reading, max_docs_per_row=bound, **kw)
+        )
+
+    free, capped = batches(None), batches(2)
+    for batch in capped:
+        assert_rows_well_formed(batch, 2)
+    assert max(int(b["segment_ids"].max()) for b in free) > 2  # the bound binds
+    assert max(int(b["segment_ids"].max()) for b in capped) == 2
+    assert sorted(pieces_of(capped)) == sorted(pieces_of(free))
+    real = sum(float(b["weights"].sum()) for b in capped)
+    assert (
+        real
+        == sum(float(b["weights"].sum()) for b in free)
+        == dataset.split("train")["tokens"] - dataset.num_records("train")
+    )
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_pipeline_resumes_exactly_with_the_bound(dataset, packing):
+    kw = dict(seq_len=64, batch_size=4, packing=packing, max_docs_per_row=2)
+    kw["reading"] = Reading(seed=11, read_threads=3)
+    it = make_batch_iterator(dataset, "train", **kw)
+    for _ in range(37):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(5)]
+    fresh = make_batch_iterator(dataset, "train", **kw)
+    fresh.set_state(state)
+    for a, b in zip([next(fresh) for _ in range(5)], expected, strict=True):
+        assert_same(a, b)
+        assert_rows_well_formed(a, 2)
+
+
+# --------------------------------------------------------------------------- per-epoch offset
+
+WINDOW = 32  # seq_len of the fixed-window corpus
+
+
+@pytest.fixture(scope="module")
+def whole_rows(tmp_path_factory):
+    """Documents of exactly WINDOW pairs: unshifted concat packing makes each document one row,
+    so every epoch cuts the same windows, whatever the shuffle."""
+    rng = np.random.default_rng(3)
+    docs = ["".join(rng.choice(list("abcdefghij"), size=WINDOW + 1)) for _ in range(40)]
+    out = tmp_path_factory.mktemp("windows") / "ds"
+    prepare_dataset(docs, out, eval_fraction=0.0, num_shards=2, progress=False)
+    return load_dataset_info(out)
+
+
+def row_windows(info, offset, seed=0, rows=40):
+    """The rows of the first `rows` batches of one row each, as bytes."""
+    it = make_batch_iterator(
+        info,
+        "train",
+        seq_len=WINDOW,
+        batch_size=1,
+        reading=Reading(seed=seed, read_threads=1),
+        concat_offset=offset,
+    )
+    return [bytes(next(it)["inputs"][0].astype(np.uint8)) for _ in range(rows)]
+
+
+def test_random_offset_cuts_new_windows_every_epoch(whole_rows):
+    """Issue 29: nanoGPT samples windows anywhere; fixed cuts show the model the same 40
+    windows each epoch. With the offset, epochs share (almost) no window."""
+    epochs = [row_windows(whole_rows, "none", rows=120)[i : i + 40] for i in (0, 40, 80)]
+    assert epochs[0] != epochs[1] and set(epochs[0]) == set(epochs[1]) == set(epochs[2])
+    shifted = row_windows(whole_rows, "random_per_epoch", rows=120)
+    first, second, third = set(shifted[:39]), set(shifted[41:80]), set(shifted[81:120])
+    assert not first & set(epochs[0])  # even the first epoch starts at an offset
+    assert len(first & second) <= 2 and len(second & third) <= 2
+    assert shifted == row_windows(whole_rows, "random_per_epoch", rows=120)  # seeded
+    assert shifted != row_windows(whole_rows, "random_per_epoch", seed=1, rows=120)
+
+
+def test_random_offset_shortens_only_each_epochs_first_record(dataset):
+    split = dataset.split("train")
+    source = CheckedSource(dataset.shard_paths("train"), [s["records"] for s in split["shards"]])
+
+    def stream(shift, seed=3):
+        reads = ReadRecords(
+            source,
+            dtype=dataset.token_dtype,
+            host_index=0,
+            host_count=1,
+            shuffle=True,
+            seed=seed,
+            num_epochs=3,
+            per_read=7,
+            epoch_shift=shift,
+        )
+        return [r for i in range(reads.num_reads) for r in reads.map(i)], reads.host_records
+
+    plain, n = stream(0)
+    shifted, _ = stream(64)
+    cuts = []
+    for i, (a, b) in enumerate(zip(plain, shifted, strict=True)):
+        cut = len(a["inputs"]) - len(b["inputs"])
+        for name in FEATURES:
+            np.testing.assert_array_equal(a[name][cut:], b[name])
+        assert 0 <= cut < 64 if i % n == 0 else cut == 0
+        cuts.append(cut)
+    assert len({cuts[e * n] for e in range(3)}) > 1  # a new offset each epoch
+    assert stream(64)[0][0]["inputs"].tobytes() == shifted[0]["inputs"].tobytes()
+    other = [len(r["inputs"]) for r in stream(64, seed=4)[0]]
+    assert other != [len(r["inputs"]) for r in stream(0, seed=4)[0]]
+
+
+@pytest.mark.parametrize("stop", [0, 40, 85, 86, 87, 150])
+@pytest.mark.parametrize("bound", [None, 2])
+def test_offset_pipeline_stopped_and_resumed_equals_one_read(dataset, stop, bound):
+    """Read 180 batches (about two epochs) in one go, or stop after `stop` (around the first
+    epoch's end, too), checkpoint the state, and go on in a fresh iterator: the same batches."""
+    kw = dict(seq_len=64, batch_size=4, concat_offset="random_per_epoch", max_docs_per_row=bound)
+    kw["reading"] = Reading(seed=5, read_threads=3)
+    whole = take(make_batch_iterator(dataset, "train", **kw), 180)
+    first = make_batch_iterator(dataset, "train", **kw)
+    head = take(first, stop)
+    state = json.loads(json.dumps(first.get_state()))
+    fresh = make_batch_iterator(dataset, "train", **kw)
+    fresh.set_state(state)
+    for a, b in zip(head + take(fresh, 180 - stop), whole, strict=True):
+        assert_same(a, b)
+
+
+def test_offset_needs_concat_packing_of_arrayrecord(dataset):
+    with pytest.raises(DataError, match="data.concat_offset=random_per_epoch needs data.packing"):
+        make_batch_iterator(
+            dataset,
+            "train",
+            seq_len=64,
+            batch_size=4,
+            packing="first_fit",
+            concat_offset="random_per_epoch",
+        )
+    with pytest.raises(ConfigError, match="use data.packing=concat or data.concat_offset=none"):
+        load_config(None, ["data.packing=first_fit", "data.concat_offset=random_per_epoch"])
+    with pytest.raises(ConfigError, match="data.max_docs_per_row=0 is not a document count"):
+        load_config(None, ["data.max_docs_per_row=0"])
+
+
+def test_the_trainer_reads_with_the_configured_bound_and_offset(dataset):
+    """`lm_batches` bounds train and eval rows; the offset moves train rows only (evals
+    compare the same windows every time)."""
+    from trainer.data import lm_batches
+
+    def batches(split, *keys):
+        keys = [f"data.path={dataset.path}", "data.seq_len=48", "data.global_batch_size=8", *keys]
+        return take(iter(lm_batches(load_config(None, keys), dataset, split)), 3)
+
+    plain = batches("train", "data.max_docs_per_row=1")
+    moved = batches("train", "data.max_docs_per_row=1", "data.concat_offset=random_per_epoch")
+    assert all(b["segment_ids"].max() == 1 for b in plain + moved)
+    assert not np.array_equal(plain[0]["inputs"], moved[0]["inputs"])
+    evals = batches("eval", "data.max_docs_per_row=1", "data.concat_offset=random_per_epoch")
+    for a, b in zip(evals, batches("eval", "data.max_docs_per_row=1"), strict=True):
+        assert_same(a, b)
+        assert a["segment_ids"].max() == 1
+    assert max(int(b["segment_ids"].max()) for b in batches("eval")) > 1  # auto: 5 documents
+
+
+@pytest.mark.parametrize("seq_len,bound", [(48, 5), (256, 8), (1024, 20), (2048, 36)])
+def test_auto_bound_grows_with_seq_len_and_a_number_wins(seq_len, bound):
+    auto = load_config(None, [f"data.seq_len={seq_len}"]).data
+    assert auto.max_docs_per_row == "auto" and auto.resolved_max_docs_per_row == bound
+    fixed = load_config(None, [f"data.seq_len={seq_len}", "data.max_docs_per_row=3"]).data
+    assert fixed.resolved_max_docs_per_row == 3

@@ -48,6 +48,15 @@ class DataConfig(_Section):
     seq_len: int = Field(256, ge=2)
     global_batch_size: int = Field(32, ge=1)
     packing: Literal["concat", "first_fit"] = "concat"
+    # At most this many documents (segments) in one packed row, as the cuDNN packed-document
+    # attention kernel takes a static count per row: both packers end a row that reaches it with
+    # padding (excluded from `tokens`), never merging or dropping a document. auto: grows with
+    # seq_len (`resolved_max_docs_per_row`; padding measured in BENCHMARKS.md)
+    max_docs_per_row: int | Literal["auto"] = "auto"
+    # concat packing: none cuts rows where the record stream puts them; random_per_epoch drops
+    # a seeded 0..seq_len-1 leading tokens of each epoch's first record (ArrayRecord data), so
+    # the rows of every epoch are new windows (deterministic from run.seed, resumable)
+    concat_offset: Literal["none", "random_per_epoch"] = "none"
     shuffle: bool = True
     read_threads: int = Field(4, ge=1)
     workers: int = Field(0, ge=0)
@@ -58,6 +67,39 @@ class DataConfig(_Section):
     # Independent input streams per global batch (fixed = same batches on any process count);
     # unset: the process count of the run's first start, kept on resume.
     streams: int | None = Field(None, ge=1)
+
+    @field_validator("max_docs_per_row", mode="before")
+    @classmethod
+    def _docs_bound(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(
+            f"data.max_docs_per_row={value!r} is not a document count; use an integer >= 1, or auto"
+        )
+
+    @model_validator(mode="after")
+    def _offset_needs_concat(self) -> DataConfig:
+        if self.concat_offset != "none" and self.packing != "concat":
+            raise ValueError(
+                f"data.concat_offset={self.concat_offset} moves concat packing's rows but "
+                f"data.packing={self.packing}; use data.packing=concat or data.concat_offset=none"
+            )
+        return self
+
+    @property
+    def resolved_max_docs_per_row(self) -> int:
+        """The bound on documents per row that the packers apply and the attention kernel is
+        built for: `max_docs_per_row`, or for auto `auto_max_docs_per_row(seq_len)`."""
+        if self.max_docs_per_row == "auto":
+            return auto_max_docs_per_row(self.seq_len)
+        return self.max_docs_per_row
+
+
+def auto_max_docs_per_row(seq_len: int) -> int:
+    """`data.max_docs_per_row=auto`: room for documents averaging 64 tokens, plus 4 for their
+    spread; padding it adds stays under 0.2% on the built-in corpus and on short sentences at
+    seq_len 256-2048 (BENCHMARKS.md), while each unit costs the cuDNN kernel workspace."""
+    return -(-seq_len // 64) + 4
 
 
 class ModelConfig(_Section):
@@ -89,8 +131,10 @@ class ModelConfig(_Section):
     # on CPU, where the scan's stacked residual buffers and per-layer slicing cost time:
     # BENCHMARKS.md, nanoGPT recipe)
     scan_layers: bool = True
-    # auto: cuDNN flash attention on NVIDIA GPUs of compute capability 8.0+ with bf16 compute, for
-    # rows of one document each (no segment ids); XLA otherwise (trainer/models/attention.py)
+    # auto: the fastest kernel that runs correctly on this device, dtype and batch: cuDNN or
+    # Pallas flash attention over packed documents on NVIDIA GPUs of compute capability 8.0+ with
+    # bf16/fp16 compute, XLA with the document mask elsewhere and while dropout trains (table in
+    # trainer/models/attention.py); cudnn: a cuDNN kernel or a config error
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     args: dict[str, Any] = Field(default_factory=dict)
 

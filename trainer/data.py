@@ -147,6 +147,8 @@ def lm_batches(
             packing=config.data.packing,
             reading=replace(reading, process_index=index, process_count=count),
             source=cache,
+            max_docs_per_row=config.data.resolved_max_docs_per_row,
+            concat_offset=config.data.concat_offset if training else "none",
         )
 
     return StreamBatches(

@@ -85,6 +85,8 @@ def mixture_sources(config: Config) -> DataSources:
                 packing=config.data.packing,
                 reading=replace(reading, process_index=index, process_count=count),
                 source=caches[name].get("train"),
+                max_docs_per_row=config.data.resolved_max_docs_per_row,
+                concat_offset=config.data.concat_offset,
             )
             for name, info in infos.items()
         }

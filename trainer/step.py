@@ -182,6 +182,7 @@ def make_eval_step(
         if offload is not None:
             state = offload.to_device(state)  # parameters; the unused rest is never copied
         model = skeleton.merge(state.params, state.model_state)
+        model.eval()  # evaluation drops nothing (`deterministic` modules, e.g. model.dropout)
         loss, aux = loss_fn(model, batch)
         weight = _weight(aux, batch)
         return {"loss_sum": loss * weight, "weight": weight}

@@ -4,6 +4,7 @@ manager, writers), then the loop (`trainer.loop`)."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
 from trainer.loop import Loop, RunResult
 from trainer.models import build_model
+from trainer.models.attention import CheckedBatches, run_attention_note
 from trainer.observe.flops import device_peak_tflops, flops_per_token
 from trainer.observe.goodput import Goodput, format_summary, write_summary
 from trainer.observe.metrics import MetricsWriter
@@ -68,6 +70,7 @@ def builder_for_vocab(config: Config, vocab_size: int | None = None):
         compute_dtype=config.precision.compute,
         param_dtype=config.precision.params,
         pipeline=pipeline_spec(config),
+        max_docs_per_row=config.data.resolved_max_docs_per_row,
     )
 
 
@@ -128,6 +131,9 @@ def _run(
         streams=stream_count(config) if ours else 1,
     )
     sources = dataset_sources(config) if ours else user_sources(data, eval_data)
+    if model is None and not ours:  # the built-in model's packed kernel takes a bounded count
+        bound = config.data.resolved_max_docs_per_row
+        sources = replace(sources, train=CheckedBatches(sources.train, bound))
     if model is None:
         build = model_builder(config, sources.vocab_size or config.model.vocab_size or 0)
     else:
@@ -156,6 +162,7 @@ def _run(
     if start_step:
         writer.message(
             f"resuming from {checkpointer.directory / str(start_step)} (step {start_step})"
+            f"{run_attention_note(config, builtin=model is None)}"
         )
     else:
         staged = (

@@ -30,13 +30,17 @@ def build_transformer(
     compute_dtype,
     param_dtype,
     pipeline: PipelineSpec | None = None,
+    max_docs_per_row: int | None = None,
 ) -> Transformer:
-    """The built-in decoder-only transformer (its layer stack pipelined when `pipeline` is set)."""
+    """The built-in decoder-only transformer (its layer stack pipelined when `pipeline` is set;
+    `max_docs_per_row`: the bound packed rows keep, which the cuDNN packed kernel needs)."""
     if config.args:
         raise ConfigError(
             f"model.args {sorted(config.args)} are not used by model.kind=transformer; remove them"
         )
-    spec = TransformerSpec.from_config(config, vocab_size, compute_dtype, param_dtype, pipeline)
+    spec = TransformerSpec.from_config(
+        config, vocab_size, compute_dtype, param_dtype, pipeline, max_docs_per_row
+    )
     return Transformer(spec, rngs=rngs)
 
 
@@ -74,6 +78,7 @@ def build_model(
     compute_dtype: Any,
     param_dtype: Any,
     pipeline: PipelineSpec | None = None,
+    max_docs_per_row: int | None = None,
 ) -> nnx.Module:
     """Build the configured model. Eager sharding is off: parameters carry *logical* axis names,
     which only `trainer.parallel.sharding` can map to mesh axes (the trainer places them itself).
@@ -87,6 +92,8 @@ def build_model(
             "mesh.fsdp / mesh.tensor to split the model)"
         )
     extra = {} if pipeline is None else {"pipeline": pipeline}
+    if max_docs_per_row is not None and factory is build_transformer:
+        extra["max_docs_per_row"] = max_docs_per_row
     with nnx.use_eager_sharding(False):
         return factory(
             config,

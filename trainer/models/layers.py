@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.models.attention import attention_dtype, attention_implementation
+from trainer.models.attention import attention_dtype, check_requested
+from trainer.models.kernels import DocumentSpans, attend, document_spans, rows_whole
 from trainer.models.rope import RopeScaling, scale_frequencies
 
 if TYPE_CHECKING:
@@ -19,13 +20,6 @@ def partitioned(init, logical_axes: tuple[str, ...]):
     """Attach logical axis names to an initializer (mapped to mesh axes by
     `trainer.parallel.sharding`)."""
     return nnx.with_partitioning(init, logical_axes)
-
-
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    if rate == 0.0 or key is None:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -44,13 +38,16 @@ class RMSNorm(nnx.Module):
 class PackedLayout(NamedTuple):
     """What every attention layer derives from a packed batch's `segment_ids` and `positions`:
     built once per forward pass, not once per layer (inside the layer scan XLA recomputed the
-    mask and the rotary angles at every layer, forward and backward)."""
+    mask and the rotary angles at every layer, forward and backward). Only what the chosen
+    kernel reads is built (`models/kernels.py`)."""
 
-    # [B, 1, L, L]: causal, and never across documents of a packed row; None for rows of one
-    # document each (no segment ids), which attend causally without a mask (cuDNN can run them)
+    # [B, 1, L, L]: causal, and never across documents of a packed row (xla, xla_dropout,
+    # cudnn_mask); None for rows of one document each, which attend causally without a mask
     mask: jax.Array | None
     sin: jax.Array  # [B, L, 1, K/2]: rotary angles at each token's in-document position
     cos: jax.Array
+    segment_ids: jax.Array | None = None  # [B, L] (pallas)
+    spans: DocumentSpans | None = None  # each document's length and start (cudnn_packed)
 
     @classmethod
     def of(
@@ -60,13 +57,23 @@ class PackedLayout(NamedTuple):
         head_dim: int,
         theta: float,
         rope_scaling: RopeScaling | None = None,
+        kernel: str = "xla",
+        max_segments: int = 0,
     ) -> PackedLayout:
         half = head_dim // 2
         freqs_F = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
         freqs_F = scale_frequencies(freqs_F, rope_scaling)
         angles_BxLx1xF = (positions_BxL[..., None].astype(jnp.float32) * freqs_F)[:, :, None]
-        mask = None if segment_ids_BxL is None else packed_causal_mask(segment_ids_BxL)
-        return cls(mask, jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF))
+        mask = segment_ids = spans = None
+        if segment_ids_BxL is None:
+            pass
+        elif kernel == "pallas":
+            segment_ids = segment_ids_BxL.astype(jnp.int32)
+        elif kernel == "cudnn_packed":
+            spans = DocumentSpans(*map(rows_whole, document_spans(segment_ids_BxL, max_segments)))
+        else:
+            mask = packed_causal_mask(segment_ids_BxL)
+        return cls(mask, jnp.sin(angles_BxLx1xF), jnp.cos(angles_BxLx1xF), segment_ids, spans)
 
 
 def rotary(x_BxLxHxD: jax.Array, layout: PackedLayout) -> jax.Array:
@@ -105,33 +112,33 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim, self.rope_theta = spec.head_dim, spec.rope_theta
         self.attention, self.compute_dtype = spec.attention, spec.compute_dtype
+        self.dropout_rate = spec.dropout
         # a forced kernel that cannot run here fails at build, not at the first step's compile
-        attention_implementation(spec.attention, spec.compute_dtype, spec.head_dim, packed=False)
+        check_requested(spec.attention, spec.compute_dtype, spec.head_dim)
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.q = _dense(spec.d_model, q_dim, ("embed", "heads"), spec, rngs)
         self.k = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
         self.v = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
         self.out = _dense(q_dim, spec.d_model, ("heads", "embed"), spec, rngs)
 
-    def __call__(self, x_BxLxD, layout: PackedLayout):
+    def __call__(self, x_BxLxD, layout: PackedLayout, kernel: str = "xla", dropout_key=None):
+        """`kernel`: chosen once per forward pass by the model (`models/attention.py`);
+        `dropout_key`: drops attention probabilities (`xla_dropout` only)."""
         B, L, _ = x_BxLxD.shape
         q_BxLxHxK = self.q(x_BxLxD).reshape(B, L, self.num_heads, self.head_dim)
         k_BxLxGxK = self.k(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
         v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
         q_BxLxHxK = rotary(q_BxLxHxK, layout)
         k_BxLxGxK = rotary(k_BxLxGxK, layout)
-        # cuDNN flash attention or XLA, chosen by `models/attention.py` (cuDNN: unpacked rows)
-        implementation = attention_implementation(
-            self.attention, self.compute_dtype, self.head_dim, packed=layout.mask is not None
-        )
         dtype = attention_dtype(self.compute_dtype)
-        out_BxLxHxK = jax.nn.dot_product_attention(
+        out_BxLxHxK = attend(
+            kernel,
             q_BxLxHxK.astype(dtype),
             k_BxLxGxK.astype(dtype),
             v_BxLxGxK.astype(dtype),
-            mask=layout.mask,
-            is_causal=layout.mask is None,
-            implementation=implementation,
+            layout,
+            self.dropout_rate,
+            dropout_key,
         ).astype(q_BxLxHxK.dtype)
         return self.out(out_BxLxHxK.reshape(B, L, self.num_heads * self.head_dim))
 

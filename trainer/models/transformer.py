@@ -1,7 +1,10 @@
 """A modern decoder-only transformer in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query
-attention through `jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs of compute
-capability 8.0+ for unpacked rows, XLA otherwise: `models/attention.py`), layers stacked under one
-`scan` so compile time does not grow with depth.
+attention by the kernel `models/attention.py` picks for the device, dtype and batch (cuDNN or
+Pallas flash attention over packed documents on NVIDIA GPUs, XLA with the document mask
+elsewhere), layers stacked under one `scan` so compile time does not grow with depth.
+
+`model.dropout` drops what nanoGPT drops: the embedding output, the attention probabilities and
+both residual branches, in training only (`model.eval()` turns it off; the eval step does).
 
 Every parameter names its axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`, `layers`,
 `norm`); `trainer.parallel.sharding` maps those names to mesh axes.
@@ -16,8 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
-from trainer.models.attention import device_facts
-from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, dropout, partitioned
+from trainer.models.attention import attention_kernel, device_facts, facts_here
+from trainer.models.kernels import dropout
+from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, partitioned
 from trainer.models.matmul import BF16_DOT, linear_dot_general
 from trainer.models.rope import RopeScaling, freeze_scaling
 from trainer.parallel.offload import offload_dots_policy
@@ -58,6 +62,9 @@ class TransformerSpec:
     head_dim: int | None = None  # None: d_model // num_heads (filled in by __post_init__)
     rope_scaling: RopeScaling | None = None
     pipeline: PipelineSpec | None = None  # layers split into stages over the `stage` mesh axis
+    # the most documents a packed row holds (`data.max_docs_per_row`, kept by the packers);
+    # None: unknown, so no kernel that needs the bound (cuDNN packed documents) is chosen
+    max_docs_per_row: int | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -76,6 +83,7 @@ class TransformerSpec:
         compute_dtype,
         param_dtype,
         pipeline: PipelineSpec | None = None,
+        max_docs_per_row: int | None = None,
     ) -> TransformerSpec:
         """The shape and numerics `model.*` describes (custom blocks reuse it too)."""
         return cls(
@@ -97,6 +105,7 @@ class TransformerSpec:
             compute_dtype=compute_dtype,
             param_dtype=param_dtype,
             pipeline=pipeline,
+            max_docs_per_row=max_docs_per_row,
         )
 
 
@@ -110,9 +119,10 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(spec, rngs=rngs)
         self.dropout_rate = spec.dropout
 
-    def __call__(self, x_BxLxD, layout: PackedLayout, dropout_key=None):
-        keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        h = self.attn(self.attn_norm(x_BxLxD), layout)
+    def __call__(self, x_BxLxD, layout: PackedLayout, dropout_key=None, kernel: str = "xla"):
+        """`dropout_key`: None when nothing is dropped; `kernel`: the attention kernel."""
+        keys = [None] * 3 if dropout_key is None else list(jax.random.split(dropout_key, 3))
+        h = self.attn(self.attn_norm(x_BxLxD), layout, kernel, keys[2])
         x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[0])
         h = self.mlp(self.mlp_norm(x_BxLxD))
         # inside a pipeline stage (vmapped over `stage`) rows split over (data, fsdp) only
@@ -125,12 +135,17 @@ class Transformer(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.spec = spec
+        self.deterministic = False  # True: nothing is dropped (`model.eval()`)
+        # Tied: the embedding is also the output layer, whose logits must start near unit scale
+        # (loss ~ ln V): std d_model**-0.5 gives the final norm's unit-RMS rows logits of std 1
+        # at any width, as the untied head's lecun init does. Untied inputs keep std 1.
+        embed_std = spec.d_model**-0.5 if spec.tie_embeddings else 1.0
         self.embed = nnx.Embed(
             spec.vocab_size,
             spec.d_model,
             dtype=spec.compute_dtype,
             param_dtype=spec.param_dtype,
-            embedding_init=partitioned(nnx.initializers.normal(1.0), ("vocab", "embed")),
+            embedding_init=partitioned(nnx.initializers.normal(embed_std), ("vocab", "embed")),
             rngs=rngs,
         )
 
@@ -161,15 +176,24 @@ class Transformer(nnx.Module):
         positions_BxL = batch.get("positions")
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]), inputs_BxL.shape)
-        x_BxLxD = rows_like_the_batch(self.embed(inputs_BxL))
+        training = not self.deterministic and self.dropout_rngs is not None
+        embed_key, layers_key = (None, None)
+        if training:
+            embed_key, layers_key = jax.random.split(self.dropout_rngs.dropout())
+        facts = facts_here(self.spec, inputs_BxL.shape[1], segment_ids_BxL is not None, training)
+        kernel = attention_kernel(self.spec.attention, facts)
+        x_BxLxD = self.embed(inputs_BxL)
+        x_BxLxD = rows_like_the_batch(dropout(x_BxLxD, self.spec.dropout, embed_key))
         layout = PackedLayout.of(
             segment_ids_BxL,
             positions_BxL,
             self.spec.head_dim,
             self.spec.rope_theta,
             self.spec.rope_scaling,
+            kernel=kernel,
+            max_segments=(self.spec.max_docs_per_row or 0) + 1,
         )
-        x_BxLxD = self._run_blocks(x_BxLxD, layout)
+        x_BxLxD = self._run_blocks(x_BxLxD, layout, kernel, layers_key)
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.spec.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
@@ -178,7 +202,7 @@ class Transformer(nnx.Module):
         # fp32 softmax/loss: bf16 loses small probabilities
         return rows_like_the_batch(logits_BxLxV.astype(jnp.float32))
 
-    def _run_blocks(self, x_BxLxD, layout: PackedLayout):
+    def _run_blocks(self, x_BxLxD, layout: PackedLayout, kernel: str, dropout_key=None):
         """One scan over the stacked layers: the step compiles one block, whatever the depth.
         With `scan_layers=False`, a loop over static slices of the same stacked parameters (same
         checkpoints): no stacked residual buffers to zero and slice per layer, which is faster
@@ -188,15 +212,15 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         stacked = _matrices_in(self.spec.compute_dtype, stacked)
         layer_keys = None
-        if self.dropout_rngs is not None:
-            layer_keys = jax.random.split(self.dropout_rngs.dropout(), self.spec.num_layers)
+        if dropout_key is not None:
+            layer_keys = jax.random.split(dropout_key, self.spec.num_layers)
 
         policy = _REMAT_POLICIES.get(self.spec.remat)
 
         def run_layers(x, layers, layout: PackedLayout):
             def body(x, layer):
                 state, key = layer
-                return nnx.merge(graphdef, state)(x, layout, key), None
+                return nnx.merge(graphdef, state)(x, layout, key, kernel), None
 
             if policy is not None:
                 body = jax.checkpoint(body, policy=policy, prevent_cse=False)
