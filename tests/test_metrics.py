@@ -1,7 +1,10 @@
 """metrics.jsonl stays one clean run across resumes; TensorBoard events are written; the report
 labels runs by `run.name`."""
 
+import io
 import json
+
+import pytest
 
 from trainer import report
 from trainer.observe.metrics import MetricsWriter
@@ -25,6 +28,27 @@ def test_non_finite_values_stay_valid_json(tmp_path):
     writer.write(1, {"loss": float("nan")})
     writer.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == "nan"
+
+
+class Terminal(io.StringIO):
+    """A console the writer takes for a terminal: it draws a progress bar there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream", [io.StringIO, Terminal], ids=["plain", "terminal"])
+def test_a_row_with_nothing_for_the_console_prints_no_line(tmp_path, stream):
+    """A checkpoint's row (`ckpt_block_s` only) goes to metrics.jsonl, never as `step 100: `."""
+    console = stream()
+    writer = MetricsWriter(tmp_path, total_steps=200, tensorboard=False, stream=console)
+    writer.write(100, {"eval_loss": 2.5})
+    writer.write(100, {"ckpt_block_s": 0.25})
+    writer.close()
+    lines = [line.strip() for line in console.getvalue().replace("\r", "\n").splitlines()]
+    assert [line for line in lines if line.startswith("step ")] == ["step 100: eval_loss=2.5"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 100, "eval_loss": 2.5}, {"step": 100, "ckpt_block_s": 0.25}]
 
 
 def _logged_run(workdir, name: str | None) -> None:

@@ -187,10 +187,14 @@ def dataset_sources(config: Config) -> DataSources:
     info = load_dataset(config)
     caches = memory_caches(config, {"data.path": info})["data.path"]
     train = lm_batches(config, info, "train", cache=caches.get("train"))
+
+    def make_eval() -> StreamBatches:
+        # as many streams as training uses, which a resumed run may take from its checkpoint
+        return lm_batches(config, info, "eval", train.streams, caches.get("eval"))
+
     return DataSources(
         train=train,
-        # as many streams as training uses, which a resumed run may take from its checkpoint
-        make_eval=lambda: lm_batches(config, info, "eval", train.streams, caches.get("eval")),
+        make_eval=make_eval if "eval" in info.raw["splits"] else None,  # none: no evals
         description=str(info.path),
         fingerprint=info.fingerprint,
         vocab_size=info.vocab_size,

@@ -30,10 +30,9 @@ def export_params(
     `format="hf"`, a Hugging Face Llama folder: `trainer/hf/export.py`)."""
     checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
-        checkpointer.require_step(step)
-        restored, params = checkpointer.restore_newest(
+        restored, params = checkpointer.restore_chosen(
+            step,
             lambda step: _restore_params(checkpointer, step),
-            steps=None if step is None else [step],
             advice="repair it, or export another --step",
         )
         meta = checkpointer.read_meta(restored)

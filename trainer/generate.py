@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from trainer.config import Config
 from trainer.models.decode import KVCache, decode
 from trainer.models.transformer import Transformer
+
+if TYPE_CHECKING:  # imported where used: Orbax loads only when a checkpoint is read
+    from trainer.checkpoint import Checkpointer
 
 
 @dataclass
@@ -187,22 +190,32 @@ def _load_hf(folder: str, compute: str | None, devices) -> Generator:
 
 
 def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) -> Generator:
+    """Checkpoint `step` of a run, or its newest that restores (a damaged one is named in one
+    line and skipped, as export and `checkpoint.init_from` do)."""
     from trainer.checkpoint import Checkpointer
 
-    checkpointer, latest = Checkpointer.open_existing(workdir)
+    checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
-        checkpointer.require_step(step)
-        step = latest if step is None else step
-        config = checkpointer.run_config(step)
-        if compute:
-            config.precision.compute = compute
-        mesh, merge, target = _model_and_target(config, devices)
-        with jax.set_mesh(mesh):
-            model = merge(checkpointer.restore_params(step, target))
+        _, (config, model, mesh) = checkpointer.restore_chosen(
+            step,
+            lambda step: _restore_model(checkpointer, step, compute, devices),
+            advice="repair it, or generate from another --step",
+        )
     finally:
         checkpointer.close()
     tokenizer = run_tokenizer(config)
     return Generator(model, mesh, tokenizer, _eos(tokenizer))
+
+
+def _restore_model(checkpointer: Checkpointer, step: int, compute: str | None, devices):
+    """`(config, model, mesh)`: the model of the config saved with `step`, its parameters."""
+    config = checkpointer.run_config(step)
+    if compute:
+        config.precision.compute = compute
+    mesh, merge, target = _model_and_target(config, devices)
+    with jax.set_mesh(mesh):
+        model = merge(checkpointer.restore_params(step, target))
+    return config, model, mesh
 
 
 def run_tokenizer(config: Config):

@@ -174,6 +174,14 @@ def _run(
         writer.message(
             f"{config.run.name}: model {program.num_params / 1e6:.2f}M parameters; "
             f"mesh {dict(mesh.shape)}{staged}; data {sources.description}"
+            f"{run_attention_note(config, builtin=model is None)}"
+        )
+    if sources.make_eval is None:
+        writer.message(
+            f"data {sources.description} has no eval split; training without evals (prepare it "
+            "with --eval-fraction or --eval-input to get eval_loss)"
+            if ours
+            else "no eval_data given; training without evals"
         )
     vocab_size = config.model.vocab_size or sources.vocab_size
     builtin = model is None and config.model.kind == "transformer"
@@ -194,7 +202,7 @@ def _run(
             result = loop.train(state, start_step, train_iter)
         with goodput.timing("checkpoint"):
             checkpointer.wait()  # saves still being written hold up the end of the run
-        if primary:
+        if primary and result.step > start_step:  # else the last session's summary stays
             summary = loop.summary(start_step, result)
             writer.message(format_summary(summary))
             if problem := write_summary(workdir, summary):

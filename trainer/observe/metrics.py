@@ -73,14 +73,19 @@ class MetricsWriter:
         self._console(step, row)
 
     def _console(self, step: int, row: dict[str, Any]) -> None:
+        """A line (or the bar's postfix) for rows with a key the console shows; the others (a
+        checkpoint's `ckpt_block_s`) only move the bar."""
         shown = {k: row[k] for k in ("loss", "eval_loss", "tokens_per_s", "lr") if k in row}
         text = " ".join(f"{k}={_short(v)}" for k, v in shown.items())
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
+        if not shown:
+            return
+        if self._bar is not None:
             if "loss" in row:
                 self._bar.set_postfix_str(text, refresh=True)
             else:
-                self._bar.write(f"step {step}: {text}")
+                self._bar.write(f"step {step}: {text}", file=self.stream)
         else:
             if "loss" in row:
                 text += f" eta={self._eta(step, row.get('step_time_s'))}"
@@ -109,7 +114,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=self.stream)  # tqdm's default is stdout
         else:
             print(text, file=self.stream, flush=True)
 
