@@ -75,7 +75,8 @@ def make_train_step(
     `scaling` (float16 compute), the loss is scaled before the backward pass and the gradients
     unscaled after accumulation; a step whose gradients overflowed is skipped the same way and
     the scale adjusted (`trainer.loss_scale`). Without it, no scaling code is compiled in. With
-    `offload`, the state's host-resting parts are copied in first and the new ones out last."""
+    `offload`, the forward gets a compute-dtype copy of the host-resting parameters, the rest
+    comes in for the update once the gradients exist, and the new state goes out last."""
 
     def loss_and_state(params, model_state, batch, loss_scale):
         model = skeleton.merge(params, model_state)
@@ -92,6 +93,7 @@ def make_train_step(
 
     def weighted_grads(params, model_state, batch, loss_scale):
         """Gradients of `loss * weight` (times the loss scale, when there is one)."""
+        params = params if offload is None else offload.widen(params)  # offload.py
         grads, (loss, weight, model_state) = grad_fn(params, model_state, batch, loss_scale)
         if loss_scale is not None:
             grads = jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
@@ -110,7 +112,7 @@ def make_train_step(
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             return (grad_sum, loss_sum + loss * weight, weight_sum + weight, state), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, params if offload is None else offload.widen(params))
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
         (grads, loss_sum, weight_sum, model_state), _ = jax.lax.scan(
             micro, init, _split_microbatches(batch, accum_steps)
@@ -118,12 +120,13 @@ def make_train_step(
         return grads, loss_sum, weight_sum, model_state
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        if offload is not None:
-            state = offload.to_device(state)
+        params = state.params if offload is None else offload.forward_params(state.params)
         loss_scale = None if scaling is None else state.loss_scale.scale
         grads, loss_sum, weight_sum, model_state = accumulate(
-            state.params, state.model_state, batch, loss_scale
+            params, state.model_state, batch, loss_scale
         )
+        if offload is not None:  # the rest comes in for the update, once the gradients exist
+            state = offload.to_device(state, after=grads)
         per_item = 1.0 / jnp.maximum(weight_sum, 1e-9)
         unscale = per_item if loss_scale is None else per_item / loss_scale
         grads = jax.tree.map(lambda g: (g * unscale).astype(g.dtype), grads)

@@ -6,8 +6,16 @@ The one module that knows memory kinds. The state's shardings say where each lea
 ones back (`Offload`), so XLA schedules the copies; `device_bytes` reads a compiled step's
 device-memory need. Checkpoints restore straight into the at-rest shardings.
 
+What comes in when decides the peak. The forward and backward passes get only a compute-dtype copy
+of the host-resting parameters' matrices (`Offload.forward_params`); the optimizer state and the
+fp32 parameters come in for the update, behind an optimization barrier on the gradients, so XLA
+cannot start their copies while the activations are alive (`Offload.to_device(after=grads)`).
+Copied in at the start of the step, as before, they raised the step's temporaries by exactly the
+bytes they took out of its arguments (issue 28: 42.3 GB peak either way on an H200).
+
 XLA:CPU has one memory: it keeps the host-kind arguments and outputs but compiles the copies
-inside a step (and remat offloads) to nothing, so on CPU only the at-rest placement is real.
+inside a step (and remat offloads) to nothing, so on CPU only the at-rest placement is real;
+`python -m trainer.plan --gpu NAME` compiles the step for a GPU to see the copies' effect.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import Recompute
 from jax.sharding import Sharding
 
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:  # trainer.parallel.state builds its shardings with `at_rest`
+    from trainer.config import PrecisionConfig
     from trainer.parallel.state import TrainState
 
 PyTree = Any
@@ -63,26 +73,72 @@ def _check_host_memory(sharding: Sharding, key: str) -> None:
 
 @dataclass(frozen=True)
 class Offload:
-    """Moves a state's host-resting leaves in and out inside a jitted step: `to_device` before
-    they are used, `to_host` on the updated state, so between steps they occupy no device memory.
-    """
+    """Moves a state's host-resting leaves in and out inside a jitted step: a compute-dtype copy of
+    the parameters for the forward and backward passes (`forward_params`, `widen`), the rest for
+    the update only once the gradients exist (`to_device(after=grads)`), and the updated leaves
+    back out (`to_host`), so between steps, and while activations are alive, they take no device
+    memory."""
 
     shardings: TrainState  # the at-rest shardings (`at_rest`) the step is jitted with
+    narrowed: PyTree = None  # params tree of bools: leaves the forward gets in `compute_dtype`
+    compute_dtype: Any = None
+    master_dtype: Any = None  # the dtype of the parameters at rest, gradients and update
 
     @classmethod
-    def of(cls, shardings: TrainState) -> Offload | None:
-        """None when no leaf rests on the host: the step then compiles without any copy."""
-        if any(_on_host(s) for s in jax.tree.leaves(shardings)):
+    def of(
+        cls, shardings: TrainState, precision: PrecisionConfig | None = None, matrices=None
+    ) -> Offload | None:
+        """None when no leaf rests on the host: the step then compiles without any copy.
+        `matrices` (a params tree of bools) marks the parameters every forward casts to the
+        compute dtype anyway (the weight-decayed ones, `trainer.optimizer.decay_mask`): resting
+        on the host, they travel to the forward already cast."""
+        if not any(_on_host(s) for s in jax.tree.leaves(shardings)):
+            return None
+        if precision is None or matrices is None or precision.compute == precision.params:
             return cls(shardings)
-        return None
+        narrowed = jax.tree.map(lambda s, m: bool(m) and _on_host(s), shardings.params, matrices)
+        return cls(shardings, narrowed, jnp.dtype(precision.compute), jnp.dtype(precision.params))
 
-    def to_device(self, state: TrainState) -> TrainState:
-        """Inside jit: every host-resting leaf copied into device memory, same layout."""
+    def forward_params(self, params: PyTree) -> PyTree:
+        """Inside jit: the parameters the forward and backward passes read. Host-resting ones
+        come into device memory, the `narrowed` ones in the compute dtype (the values the model's
+        own cast gives); device-resting ones are returned untouched."""
+
+        def fetch(x, s, narrow):
+            if not _on_host(s):
+                return x
+            x = jax.device_put(x, s.with_memory_kind(DEVICE))
+            return x.astype(self.compute_dtype) if narrow else x
+
+        return jax.tree.map(fetch, params, self.shardings.params, self._narrowed(params))
+
+    def widen(self, params: PyTree) -> PyTree:
+        """`forward_params`' narrowed copies cast back to the master dtype. Applied inside the
+        differentiated function, so gradients come out and are summed in the master dtype, as
+        without offload, while XLA folds the cast pair into the model's own cast: only the
+        compute-dtype copy lives on the device."""
         return jax.tree.map(
-            lambda x, s: jax.device_put(x, s.with_memory_kind(DEVICE)) if _on_host(s) else x,
-            state,
-            self.shardings,
+            lambda x, narrow: x.astype(self.master_dtype) if narrow else x,
+            params,
+            self._narrowed(params),
         )
+
+    def _narrowed(self, params: PyTree) -> PyTree:
+        return self.narrowed if self.narrowed is not None else jax.tree.map(lambda _: False, params)
+
+    def to_device(self, state: TrainState, after: PyTree = None) -> TrainState:
+        """Inside jit: every host-resting leaf copied into device memory, same layout. With
+        `after` (the gradients), the copies wait for it behind an optimization barrier: XLA would
+        otherwise start them early, while the backward pass's activations are alive."""
+        leaves, treedef = jax.tree.flatten(state)
+        shardings = treedef.flatten_up_to(self.shardings)
+        resting = [i for i, s in enumerate(shardings) if _on_host(s)]
+        moving = [leaves[i] for i in resting]
+        if after is not None and moving:
+            moving, _ = jax.lax.optimization_barrier((moving, after))
+        for i, x in zip(resting, moving, strict=True):
+            leaves[i] = jax.device_put(x, shardings[i].with_memory_kind(DEVICE))
+        return treedef.unflatten(leaves)
 
     def to_host(self, state: TrainState) -> TrainState:
         """Inside jit: every leaf that rests on the host copied back into pinned host memory."""

@@ -100,7 +100,9 @@ def build_program(
             params=config.model.offload_params,
             opt_state=config.optim.offload,
         )
-        offload = Offload.of(shardings)  # None without offload: no copies compiled in
+        offload = Offload.of(  # None without offload: no copies compiled in
+            shardings, config.precision, decay_mask(skeleton.param_specs)
+        )
         batch_sharding = sharding.batch_sharding(mesh)
         train_step, eval_step = jit_steps(
             make_train_step(

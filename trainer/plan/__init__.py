@@ -1,12 +1,16 @@
 """`python -m trainer.plan`: a config's per-device memory, FLOPs and pipeline bubble before you rent
-the GPUs, from its real train step compiled ahead of time for N fake CPU devices (no array is
-allocated); when it does not fit, the cheapest change that does, itself compiled to check.
+the GPUs, from its real train step compiled ahead of time (no array is allocated); when it does
+not fit, the change with the least modelled step-time cost that does, itself compiled to check.
 
-    python -m trainer.plan --config configs/1b.yaml --devices 8 --device-memory 80GB [key=value]
+    python -m trainer.plan --config configs/1b.yaml --gpu h100 --devices 8 [key=value ...]
+
+With `--gpu NAME` (h200, h100, a100, l4, rtx2080ti, ...: `trainer.plan.gpu.GPUS`) XLA's GPU
+compiler compiles the step for that GPU, here, without one (jax's CUDA plugin, the `gpu-plan`
+extra): its buffer assignment, within 2.5% of the peaks measured on an H200. Without `--gpu`, or
+where that compile is impossible (one line says why), XLA:CPU compiles it for N fake CPU devices:
+an estimate that read 1.4x to 3x the GPU's peak (printed beside it).
 
 Exit 0: fits; 1: does not fit (a suggested change, if one was found, is printed); 2: bad input.
-XLA:CPU lays buffers out as XLA:GPU does in kind, not to the byte (fusion and kernels differ), so
-the figures estimate a GPU's.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -25,12 +33,33 @@ from trainer.observe.flops import flops_per_token
 from trainer.parallel import sharding
 from trainer.parallel.offload import device_bytes
 from trainer.parallel.program import build_program
+from trainer.plan import cost
 from trainer.plan.changes import Step, changes, knob_steps, overrides_of
-from trainer.plan.report import Footprint, format_bytes, parse_size, report, verdict
+from trainer.plan.gpu import GPUS, Gpu, GpuPlanError, compile_for_gpu, gpu_devices, traced_for
+from trainer.plan.report import CPU, Footprint, format_bytes, parse_size, report, verdict
 from trainer.train import builder_for_vocab
 
 USAGE_EXIT = 2
 DEFAULT_VOCAB = 256  # model.vocab_size unset: the built-in corpora's byte-level vocabulary
+COST_MODEL_GPU = "h100"  # whose rates price the suggestions when no --gpu is given
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the step is compiled for: XLA:CPU (`gpu` None), or `gpu` through `devices`, that
+    many compile-only devices of it."""
+
+    gpu: Gpu | None = None
+    devices: tuple[Any, ...] = ()
+
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Build and trace the model for this target (its attention kernels and matmuls)."""
+        if self.gpu is None:
+            yield
+        else:
+            with traced_for(self.gpu):
+                yield
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -53,39 +82,66 @@ def cpu_devices(count: int) -> list[jax.Device]:
     return devices[:count]
 
 
-def measure(config: Config, devices: list[jax.Device]) -> Footprint:
-    """Compile `config`'s train step for `devices` from abstract state and batch; read what one
-    device holds. A config the trainer would reject raises the trainer's ConfigError."""
+def measure(
+    config: Config,
+    devices: list[jax.Device],
+    target: Target = Target(),  # noqa: B008  (frozen, compared by value)
+    one_document_per_row: bool = False,
+) -> Footprint:
+    """Compile `config`'s train step for `devices` (for `target.gpu`: traced on them, compiled
+    for the GPU) from abstract state and batch; read what one device holds. A config the trainer
+    would reject raises the trainer's ConfigError; a GPU compile that fails, GpuPlanError."""
     mesh = sharding.make_mesh(config.mesh, devices)
     rows, seq_len = config.data.global_batch_size, config.data.seq_len
     check_config_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
     vocab = config.model.vocab_size or DEFAULT_VOCAB
-    program = build_program(config, mesh, builder_for_vocab(config, vocab))
-    state = program.abstract_state()
-    batch = {
-        name: jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=program.batch_sharding)
-        for name, dtype in FIELDS.items()
-    }
-    with jax.set_mesh(mesh):
-        compiled = program.train_step.lower(state, batch).compile()
-    kept = compiled.input_shardings[0][0]  # the state's shardings, memory kinds included
-    params, host_params = resident_bytes(state.params, kept.params)
-    opt_state, host_opt = resident_bytes(state.opt_state, kept.opt_state)
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    with target.tracing():
+        program = build_program(config, mesh, builder_for_vocab(config, vocab))
+        state = program.abstract_state()
+        fields = {k: v for k, v in FIELDS.items() if k != "segment_ids" or not one_document_per_row}
+        batch = {
+            name: jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=program.batch_sharding)
+            for name, dtype in fields.items()
+        }
+        with jax.set_mesh(mesh):
+            traced = program.train_step.trace(state, batch)
+            if target.gpu is None:
+                compiled = traced.lower().compile()
+            else:
+                lowered = traced.lower(lowering_platforms=("cuda",))
+    if target.gpu is None:
+        cost_analysis = compiled.cost_analysis()
+        cost_analysis = cost_analysis[0] if isinstance(cost_analysis, list) else cost_analysis
+        total = device_bytes(compiled)
+        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        xla_flops = float((cost_analysis or {}).get("flops", 0.0))
+    else:
+        gpu = compile_for_gpu(lowered, list(mesh.devices.flat), devices, list(target.devices))
+        total, temporaries, xla_flops = gpu.device_total, gpu.temporaries, gpu.xla_flops
+    params, host_params = resident_bytes(state.params, program.shardings.params)
+    opt_state, host_opt = resident_bytes(state.opt_state, program.shardings.opt_state)
     builtin = config.model.kind == "transformer"
     per_token = flops_per_token(config, program.num_params, vocab, builtin)
     return Footprint(
         params=params,
         opt_state=opt_state,
-        temporaries=compiled.memory_analysis().temp_size_in_bytes,
-        total=device_bytes(compiled),
-        host=host_params + host_opt,
-        xla_flops=float(cost.get("flops", 0.0)),
+        temporaries=temporaries,
+        total=total,
+        host_params=host_params,
+        host_opt_state=host_opt,
+        xla_flops=xla_flops,
         model_flops=per_token * rows * seq_len / len(devices),
         mesh=dict(mesh.shape),
         num_params=program.num_params,
+        compiled_for=CPU if target.gpu is None else target.gpu.description,
     )
+
+
+def gpu_target(name: str, count: int) -> Target:
+    """`count` compile-only devices of the GPU called `name`; GpuPlanError says why not."""
+    if name not in GPUS:
+        raise GpuPlanError(f"the plan does not describe it (it does: {', '.join(GPUS)})")
+    return Target(GPUS[name], tuple(gpu_devices(GPUS[name], count)))
 
 
 def resident_bytes(tree, shardings) -> tuple[int, int]:
@@ -97,43 +153,81 @@ def resident_bytes(tree, shardings) -> tuple[int, int]:
     return on["device"], on["host"]
 
 
+@dataclass(frozen=True)
+class Search:
+    """How `suggest` compiles and prices the changes it tries."""
+
+    target: Target
+    rates: cost.Rates  # the GPU whose rates price each change's step time
+    one_document_per_row: bool = False
+    max_tries: int = 12
+
+
 def suggest(
     path: str,
     overrides: list[str],
     devices: list[jax.Device],
     budget: int,
     base: Footprint,
-    max_tries: int = 12,
+    search: Search,
 ) -> tuple[list[str], Footprint]:
-    """The first change (cheapest first, then pairs) whose compiled step fits `budget`, else the
-    smallest one tried. Skipped uncompiled: a change with a step that failed to build or saved
-    under 1% alone, and a pair whose steps' measured savings multiplied miss by over 25%."""
-    steps = knob_steps(load_config(path, overrides), len(devices))
+    """The first change, least modelled step time first (singles, then pairs), whose compiled
+    step fits `budget`, else the smallest one tried. Skipped uncompiled: a change with a step that
+    failed to build or saved under 1% alone, and a pair whose steps' measured savings multiplied
+    miss by over 25%."""
+    config = load_config(path, overrides)
+    steps = knob_steps(config, len(devices))
+    shape = step_shape(config, base)
+    seconds = {s: cost.added_seconds(s.knob, s.settings(), shape, search.rates) for s in steps}
+    step_time = cost.step_seconds(shape, search.rates)
     # each step's measured total / base total alone; offloads that cannot save 1% count as 1
     ratio = {s: 1.0 for s in steps if _offloads(s, base) < 0.01 * base.total}
     tries, smallest = 0, ([], base)
-    for change in changes(steps):
+    for change in changes(steps, seconds.__getitem__):
         estimate = base.total * math.prod(ratio.get(s, 1.0) for s in change)
         pair_misses = len(change) > 1 and estimate > 1.25 * budget
         if pair_misses or any(ratio.get(s, 0.0) >= 0.99 for s in change):
             continue
-        if tries == max_tries:
+        if tries == search.max_tries:
             break
         extra = overrides_of(change)
         try:
-            fp = measure(load_config(path, [*overrides, *extra]), devices)
+            fp = measure(
+                load_config(path, [*overrides, *extra]),
+                devices,
+                search.target,
+                search.one_document_per_row,
+            )
         except ConfigError as err:
             print(f"  {' '.join(extra)}: skipped, {err}", flush=True)
             ratio.update({change[0]: math.inf} if len(change) == 1 else {})
             continue
         tries += 1
         fits = fp.total <= budget
-        print(f"  {' '.join(extra)}: {format_bytes(fp.total)}{', fits' * fits}", flush=True)
+        added = sum(seconds[s] for s in change)
+        priced = f"+{added:.3g} s/step, {added / step_time:+.0%} modelled"
+        print(f"  {' '.join(extra)} ({priced}): {format_bytes(fp.total)}{', fits' * fits}")
         if fits:
             return extra, fp
         ratio.update({change[0]: fp.total / base.total} if len(change) == 1 else {})
         smallest = min(smallest, (extra, fp), key=lambda pair: pair[1].total)
     return smallest
+
+
+def step_shape(config: Config, fp: Footprint) -> cost.Shape:
+    """What `trainer.plan.cost` prices a change from: `config`'s step as `fp` measured it."""
+    return cost.Shape(
+        model_flops=fp.model_flops,
+        params=fp.params + fp.host_params,
+        opt_state=fp.opt_state + fp.host_opt_state,
+        compute_itemsize=jax.numpy.dtype(config.precision.compute).itemsize,
+        param_itemsize=jax.numpy.dtype(config.precision.params).itemsize,
+        remat=config.model.remat,
+        fsdp=fp.mesh["fsdp"],
+        accum=config.optim.accum_steps,
+        stages=fp.mesh["stage"],
+        pipeline_microbatches=config.pipeline_microbatches,
+    )
 
 
 def _offloads(step: Step, base: Footprint) -> float:
@@ -148,12 +242,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.plan",
         description="Per-device memory and FLOPs of a config's compiled train step, and the "
-        "cheapest change that makes it fit.",
+        "change with the least modelled step-time cost that makes it fit.",
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--devices", type=int, default=8, help="devices in the mesh (default 8)")
     parser.add_argument(
-        "--device-memory", default="80GB", help="memory per device: 80GB, 11GiB, 512MB, bytes"
+        "--gpu",
+        help=f"compile for this GPU, without one ({', '.join(GPUS)}); default: XLA:CPU estimate",
+    )
+    parser.add_argument(
+        "--device-memory",
+        help="memory per device: 80GB, 11GiB, 512MB, bytes (default: the --gpu's, else 80GB)",
+    )
+    parser.add_argument(
+        "--one-document-per-row",
+        action="store_true",
+        help="batches without segment ids (rows of one document each: cuDNN attention on GPUs "
+        "that have it); default: packed rows, as the trainer's data gives",
     )
     parser.add_argument(
         "--max-tries", type=int, default=12, help="changes compiled at most (default 12)"
@@ -164,13 +269,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    known = GPUS.get(args.gpu) if args.gpu else None
     try:
-        budget = parse_size(args.device_memory)
+        budget = parse_size(args.device_memory or (str(known.memory) if known else "80GB"))
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} is not a device count; pass 1 or more")
         config = load_config(args.config, args.overrides)
         devices = cpu_devices(args.devices)
-        base = measure(config, devices)
+        target = _target(args.gpu, len(devices))
+        base, target = _measure(config, devices, target, args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
@@ -178,11 +285,42 @@ def main(argv: list[str] | None = None) -> int:
     print(verdict(base.total, budget), flush=True)
     if base.total <= budget:
         return 0
-    print(f"trying changes, cheapest first, each compiled (at most {args.max_tries}):")
-    extra, best = suggest(args.config, args.overrides, devices, budget, base, args.max_tries)
+    rates = (known or GPUS[COST_MODEL_GPU]).rates()
+    print(
+        f"trying changes, least modelled step time first (an {rates.name}'s rates: "
+        f"trainer/plan/cost.py), each compiled (at most {args.max_tries}):"
+    )
+    search = Search(target, rates, args.one_document_per_row, args.max_tries)
+    extra, best = suggest(args.config, args.overrides, devices, budget, base, search)
     change = f"{' '.join(extra) or 'none'} (total {format_bytes(best.total)} per device)"
     if best.total <= budget:
         print(f"suggested: {change}")
     else:
         print(f"no change tried fits; the smallest: {change}")
     return 1
+
+
+def _target(name: str | None, count: int) -> Target:
+    """`--gpu name`'s target, or XLA:CPU's after one line saying why it cannot be."""
+    if name is None:
+        return Target()
+    try:
+        return gpu_target(name, count)
+    except GpuPlanError as err:
+        print(_fallback(name, err), flush=True)
+        return Target()
+
+
+def _measure(
+    config: Config, devices: list[jax.Device], target: Target, args: argparse.Namespace
+) -> tuple[Footprint, Target]:
+    """The base footprint on `target`, or on XLA:CPU after one line when the GPU compile fails."""
+    try:
+        return measure(config, devices, target, args.one_document_per_row), target
+    except GpuPlanError as err:
+        print(_fallback(args.gpu, err), flush=True)
+        return measure(config, devices, Target(), args.one_document_per_row), Target()
+
+
+def _fallback(name: str, err: GpuPlanError) -> str:
+    return f"--gpu {name}: cannot compile for it here: {err}; planning with XLA:CPU instead"

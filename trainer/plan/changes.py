@@ -1,8 +1,10 @@
-"""The changes `trainer.plan` tries on a config that does not fit, cheapest first: pure override
-lists, so their generation and order are tested without compiling anything."""
+"""The changes `trainer.plan` tries on a config that does not fit, cheapest first by a modelled
+step-time cost (`trainer.plan.cost`): pure override lists, so their generation and order are
+tested without compiling anything."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.config import Config
@@ -10,19 +12,6 @@ from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
 from trainer.parallel.sharding import mesh_shape
 
-# Order of expected throughput cost, lowest first; a judgment for ordering, not a measurement.
-# fsdp's extra all-gathers overlap compute; save_dots recomputes only elementwise work; each
-# accumulation doubling halves the matmuls' rows; full remat repeats the forward pass; offloads
-# move state or activations over the host link every step; a stage doubling adds bubble.
-RANK = {
-    "fsdp": 1,  # per doubling
-    "save_dots": 2,
-    "accum": 3,  # per doubling
-    "full": 4,
-    "offload": 5,
-    "offload_params": 6,
-    "stage": 7,  # per doubling
-}
 MAX_DOUBLINGS = 6
 REMAT_STRENGTH = {"none": 0, "save_dots": 1, "offload_dots": 2, "full": 2}
 # Not tried: model.remat=offload_dots. XLA:CPU counts host-offloaded activations among its
@@ -34,8 +23,11 @@ class Step:
     """One knob turned: `knob` groups the steps that exclude each other (one remat, one mesh)."""
 
     knob: str
-    rank: int
     overrides: tuple[str, ...]
+
+    def settings(self) -> dict[str, str]:
+        """The overrides as key -> value."""
+        return dict(o.split("=", 1) for o in self.overrides)
 
 
 def knob_steps(config: Config, devices: int) -> list[Step]:
@@ -44,14 +36,11 @@ def knob_steps(config: Config, devices: int) -> list[Step]:
     stage, data, fsdp, tensor = mesh_shape(config.mesh, devices)
     remat = REMAT_STRENGTH[config.model.remat]
     steps = [
-        Step("remat", RANK[kind], (f"model.remat={kind}",))
+        Step("remat", (f"model.remat={kind}",))
         for kind in ("save_dots", "full")
         if REMAT_STRENGTH[kind] > remat
     ]
-    steps += [
-        Step("mesh", RANK["fsdp"] * _log2(k), _mesh(stage, data // k, fsdp * k, tensor))
-        for k in _doublings(data)
-    ]
+    steps += [Step("mesh", _mesh(stage, data // k, fsdp * k, tensor)) for k in _doublings(data)]
     accum = config.optim.accum_steps
     microbatches = config.pipeline_microbatches if stage > 1 else 1
     for k in _doublings(config.data.global_batch_size):
@@ -61,11 +50,11 @@ def knob_steps(config: Config, devices: int) -> list[Step]:
             )
         except ConfigError:
             break
-        steps.append(Step("accum", RANK["accum"] * _log2(k), (f"optim.accum_steps={accum * k}",)))
+        steps.append(Step("accum", (f"optim.accum_steps={accum * k}",)))
     if not config.optim.offload:
-        steps.append(Step("offload", RANK["offload"], ("optim.offload=true",)))
+        steps.append(Step("offload", ("optim.offload=true",)))
     if not config.model.offload_params:
-        steps.append(Step("offload_params", RANK["offload_params"], ("model.offload_params=true",)))
+        steps.append(Step("offload_params", ("model.offload_params=true",)))
     if config.model.kind == "transformer":
         steps += _stage_steps(config, stage, data, fsdp, tensor)
     return steps
@@ -87,12 +76,12 @@ def _stage_steps(config: Config, stage: int, data: int, fsdp: int, tensor: int) 
         more = (
             (f"pipeline.microbatches={2 * stage * k}",) if explicit and explicit < stage * k else ()
         )
-        steps.append(Step("stage", RANK["stage"] * _log2(k), mesh + more))
+        steps.append(Step("stage", mesh + more))
     return steps
 
 
-def changes(steps: list[Step]) -> list[tuple[Step, ...]]:
-    """Single steps and pairs of steps on different knobs, by summed rank (a single first)."""
+def changes(steps: list[Step], cost: Callable[[Step], float]) -> list[tuple[Step, ...]]:
+    """Single steps and pairs of steps on different knobs, by summed `cost` (a single first)."""
     pairs = [
         (a, b)
         for i, a in enumerate(steps)
@@ -100,7 +89,7 @@ def changes(steps: list[Step]) -> list[tuple[Step, ...]]:
         if a.knob != b.knob and not _keys(a) & _keys(b)
     ]
     both = [(s,) for s in steps] + pairs
-    return sorted(both, key=lambda change: (sum(s.rank for s in change), len(change)))
+    return sorted(both, key=lambda change: (sum(cost(s) for s in change), len(change)))
 
 
 def overrides_of(change: tuple[Step, ...]) -> list[str]:
@@ -114,10 +103,6 @@ def _keys(step: Step) -> set[str]:
 def _doublings(limit: int) -> list[int]:
     """2, 4, 8, ... up to `limit` and at most MAX_DOUBLINGS of them."""
     return [2**i for i in range(1, MAX_DOUBLINGS + 1) if 2**i <= limit]
-
-
-def _log2(k: int) -> int:
-    return k.bit_length() - 1
 
 
 def _mesh(stage: int, data: int, fsdp: int, tensor: int) -> tuple[str, ...]:

@@ -40,24 +40,46 @@ def _si(n: float, unit: str) -> str:
     return f"{n:.3g} {unit}"
 
 
+CPU = "XLA:CPU"
+# The XLA:CPU estimate against one H200 (issue 28: configs/1b.yaml, 64 x 2048 in 8 microbatches,
+# rows of one document, cuDNN attention; allocator peak vs `trainer.plan` total, same overrides).
+CPU_ERROR = (
+    "XLA:CPU estimate, not the GPU's buffers: on one H200 it said 68.9 GB for a measured 42.3 GB "
+    "peak (1.6x), 229 GB for 76.1 GB with model.remat=none (3.0x), 58.8 GB for 42.3 GB with "
+    "optim.offload=true (1.4x; issue 28); --gpu NAME compiles for the GPU instead"
+)
+
+
 @dataclass(frozen=True)
 class Footprint:
-    """One device's share of a compiled train step, in bytes; `host` rests in host memory."""
+    """One device's share of a compiled train step, in bytes; `host_*` rest in host memory."""
 
     params: int
     opt_state: int
     temporaries: int
     total: int  # device memory the step needs (trainer.parallel.offload.device_bytes)
-    host: int
-    xla_flops: float  # compiled.cost_analysis(): per device, each loop body counted once
+    host_params: int
+    host_opt_state: int
+    xla_flops: float | None  # compiled step's cost analysis, per device, loop bodies once
     model_flops: float  # trainer/observe/flops.py, per device
     mesh: dict[str, int]
     num_params: int
+    compiled_for: str = CPU  # XLA:CPU, or the GPU whose compiler laid the step out
 
     @property
     def other(self) -> int:
         """Step counter, loss scale, batch and the outputs that are not donated in place."""
         return self.total - self.params - self.opt_state - self.temporaries
+
+    @property
+    def host(self) -> int:
+        return self.host_params + self.host_opt_state
+
+
+def _xla_flops(flops: float | None) -> str:
+    if flops is None:
+        return "none (a compile-only GPU executable has no cost analysis)"
+    return f"{_si(flops, 'FLOP')} (counts each loop body once: layer scan, microbatches)"
 
 
 def verdict(total: int, budget: int) -> str:
@@ -82,14 +104,18 @@ def report(name: str, fp: Footprint, config: Config) -> list[str]:
         "host-resident (pinned_host)": fp.host,
     }
     staged = f" (mesh.stage={stages}, {microbatches} microbatches)" if stages > 1 else ""
+    if fp.compiled_for == CPU:
+        source = "XLA:CPU buffer assignment of the compiled step; an estimate of a GPU's"
+    else:
+        source = f"the step compiled for {fp.compiled_for} by XLA's GPU compiler, no GPU used"
     return [
         f"{name} on {math.prod(fp.mesh.values())} devices, mesh {mesh}: "
         f"{fp.num_params / 1e6:.1f}M parameters",
-        "per device (XLA:CPU buffer assignment of the compiled step; an estimate of a GPU's):",
+        f"per device ({source}):",
         *(f"  {label:<28}{format_bytes(n):>10}" for label, n in rows.items()),
         f"FLOPs per step per device: {_si(fp.model_flops, 'FLOP')} (trainer/observe/flops.py: 6 x "
         "parameters + attention, no remat recompute)",
-        f"  XLA cost_analysis: {_si(fp.xla_flops, 'FLOP')} (counts each loop body once: "
-        "layer scan, microbatches)",
+        f"  XLA cost_analysis: {_xla_flops(fp.xla_flops)}",
         f"pipeline bubble: {bubble_fraction(stages, microbatches):.1%}{staged}",
+        *([CPU_ERROR] if fp.compiled_for == CPU else []),
     ]
