@@ -54,8 +54,13 @@ def to_global(
     """This host's rows -> one global array per field (every row block in order, each fed by
     `feeders`' processes: `row_feeders`), each with `sharding`, the one the jitted steps declare."""
     local = {name: np.asarray(value) for name, value in batch.items()}
-    if jax.process_count() == 1:  # this host's rows are the global batch: one batched transfer
-        return jax.device_put(local, sharding)
+    if jax.process_count() == 1:  # this host's rows are the global batch
+        # the transfers `jax.device_put` makes, in half its host time (a 64 x 256 batch on the
+        # 2-core CPU: 0.21 ms, not 0.44), which the feed thread takes from the loop's cores
+        return {
+            name: jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
+            for name, value in local.items()
+        }
     global_shapes = {
         name: (value.shape[0] * feeders, *value.shape[1:]) for name, value in local.items()
     }
@@ -109,6 +114,10 @@ class DeviceFeed:
 
     def __iter__(self) -> DeviceFeed:
         return self
+
+    def ready(self) -> bool:
+        """Whether `next` returns without waiting (a batch, the end or an error is there)."""
+        return not self._ready.empty()
 
     def __next__(self) -> tuple[dict[str, jax.Array], Any]:
         start = time.perf_counter()

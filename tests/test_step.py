@@ -1,12 +1,14 @@
 """The jitted step: the same numbers on every mesh, accumulation equals one big batch, and it
 compiles once."""
 
+import contextlib
 import functools
 
 import jax
 import numpy as np
 import pytest
 
+from input_pipeline.device import DeviceFeed
 from trainer.config import load_config
 from trainer.models import build_model
 from trainer.parallel import sharding
@@ -183,3 +185,44 @@ def test_the_loops_cpu_step_equals_the_donating_step(batches, compile_events):
     np.testing.assert_array_equal(got, reference)
     other_reference, _ = losses(program, batches[1:3])
     assert float(metrics["loss"]) == other_reference[1]
+
+
+def test_the_loops_in_place_step_takes_the_feeds_batches_as_compiled(batches, compile_events):
+    """The loop's step on GPU/TPU (in place, forced here on CPU): the device feed's batches
+    arrive in exactly the shardings it was compiled for, so no step reshards or copies them
+    (host-to-device and device-to-device transfers are refused while it steps), the state is
+    donated rather than copied, nothing compiles after the first step, and its one packed
+    metrics vector reads the same numbers as the plain step's metrics."""
+    program = program_for((2, 2, 2), ["precision.compute=float32"])
+    step = program.stepper(in_place=True)
+    reference, _ = losses(program, batches)
+    state = program.init()
+    got = []
+    with jax.set_mesh(program.mesh):
+        with DeviceFeed(iter(batches), program.batch_sharding) as feed:
+            placed = [batch for batch, _ in feed]
+        compiled = step.lower(state, placed[0]).compile()
+        state_shardings, batch_shardings = compiled.input_shardings[0]
+        assert batch_shardings == {name: x.sharding for name, x in placed[0].items()}
+        assert jax.tree.leaves(state_shardings) == [x.sharding for x in jax.tree.leaves(state)]
+        for i, batch in enumerate(placed):
+            before = state
+            with no_transfers():
+                state, metrics = step(state, batch)
+            assert all(x.is_deleted() for x in jax.tree.leaves(before))  # donated in place
+            if i == 0:
+                compiled_by_step_1 = len(compile_events)
+            got.append(metrics.read()["loss"])
+    assert len(compile_events) == compiled_by_step_1, "the loop's step recompiled"
+    np.testing.assert_allclose(got, reference, rtol=1e-6)
+    assert set(metrics.read()) == {"loss", "grad_norm", "lr", "tokens", "params_finite"}
+
+
+@contextlib.contextmanager
+def no_transfers():
+    """Refuse host-to-device and device-to-device copies (a step's implicit reshards)."""
+    with (
+        jax.transfer_guard_host_to_device("disallow"),
+        jax.transfer_guard_device_to_device("disallow"),
+    ):
+        yield

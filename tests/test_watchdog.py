@@ -111,7 +111,7 @@ def test_a_data_source_that_blocks_trips_the_watchdog_and_names_the_data_wait(tm
     took = time.monotonic() - start
     assert done.returncode == wd.EXIT_STUCK, done.stderr[-3000:]
     [line] = [x for x in done.stderr.splitlines() if x.startswith("error: watchdog")]
-    assert "at step 5, last completed step 3, waiting for data (the input pipeline)" in line
+    assert "at step 5, last completed step 4, waiting for data (the input pipeline)" in line
     assert "in batches" in done.stderr, "the blocked reader's stack"
     assert 'File "<string>"' in done.stderr
     print(f"\nwatchdog exit after {took:.1f} s")

@@ -195,7 +195,11 @@ class Checkpointer:
         TensorStore, the slicing it compiles per array shape, host buffers for the copy) is then
         in place, and the first real save blocks no longer than the ones after it (an H200 at
         1B blocked 6.4 s in the first async save, 0.30 s in the second)."""
-        warm = Checkpointer(self.directory.with_name(self.directory.name + ".warm_up"), self.config)
+        folder = self.directory.with_name(self.directory.name + ".warm_up")
+        needed = _state_bytes(state)
+        if folder.parent.is_dir() and needed > shutil.disk_usage(folder.parent).free:
+            return  # no room for a throwaway copy: the real save's own check speaks for the disk
+        warm = Checkpointer(folder, self.config)
         for step in warm.manager.all_steps():  # left by a run killed while warming up
             warm.manager.delete(step)
         warm.save(0, state, None, meta)
@@ -215,7 +219,7 @@ class Checkpointer:
         the free space is known); older checkpoints are deleted only after a new one is done."""
         if not self.directory.is_dir():
             return
-        needed = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
+        needed = _state_bytes(state)
         free = shutil.disk_usage(self.directory).free
         if needed > free:
             raise TrainingError(
@@ -336,6 +340,11 @@ class Checkpointer:
                     self.manager.wait_until_finished()
                 finally:
                     self.manager.close()
+
+
+def _state_bytes(state: TrainState) -> int:
+    """About what a save of `state` writes (before compression)."""
+    return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
 
 
 def _manager_options(config: CheckpointConfig, writable: bool) -> ocp.CheckpointManagerOptions:

@@ -1,11 +1,13 @@
-"""The step loop: dispatch step t, then read step t-1's metrics (ready by then), so the host never
-blocks on the device for bookkeeping. One step call on every backend; checkpoints, evals, stop
-requests and the goodput timing sit around it. Batches arrive already on the devices.
+"""The step loop: dispatch step t, then read the metrics of the earlier steps that have finished, so
+the host never blocks on the device for bookkeeping and up to `IN_FLIGHT` steps stay queued on
+it. One step call on every backend; checkpoints, evals, stop requests and the goodput timing sit
+around it. Batches arrive already on the devices.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,9 +25,14 @@ from trainer.observe.goodput import Goodput, session_summary
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.profiling import ProfileWindow
 from trainer.observe.watchdog import Watchdog
-from trainer.parallel.program import TrainProgram
+from trainer.parallel.program import StepMetrics, TrainProgram
 from trainer.parallel.state import TrainState
 from trainer.preemption import StopRequest
+
+# Steps whose metrics may stay unread after a dispatch: the device runs them while the host
+# prepares the next one. A step's metrics are read once it has finished, or when more than this
+# many are pending (then the host waits for the oldest: the device is that far ahead).
+IN_FLIGHT = 2
 
 
 @dataclass
@@ -78,7 +85,7 @@ class StepRecord:
     """One dispatched step, its metrics still on the device until `Loop._record` reads them."""
 
     step: int
-    metrics: dict[str, jax.Array]
+    metrics: StepMetrics
     seconds: float  # wall time since the previous step was dispatched
     wait_s: float  # of which waiting for its batch
     data_state: Any = None  # the data position after its batch (per-source token counts)
@@ -140,8 +147,7 @@ class Loop:
                 "train further"
             )
             return result
-        pending: StepRecord | None = None  # dispatched, metrics not read yet
-        tick = time.perf_counter()
+        pending: deque[StepRecord] = deque()  # dispatched, metrics not read yet (oldest first)
         feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
         timing = self.goodput.timing
@@ -149,7 +155,16 @@ class Loop:
         self.watchdog = Watchdog(config.run.step_timeout_s)
         watch = self.watchdog.phase
         with feed, StopRequest() as stop, profile, self.watchdog:
+            if total - start_step > config.checkpoint.every:  # a save before the last step
+                with timing("checkpoint"), watch("checkpoint"):
+                    self.checkpointer.warm_up(state, self.meta)
+            tick = time.perf_counter()
             for step in range(start_step + 1, total + 1):
+                if pending and not feed.ready():
+                    # The device runs out of queued steps before the next batch comes: read them
+                    # now, so the lines (and the watchdog's last completed step) are current.
+                    with timing("step"), watch("step"):
+                        self._read_finished(pending, result, keep=0)
                 try:
                     with timing("data_wait"), watch("data", step):
                         batch, data_state = next(feed)
@@ -160,21 +175,21 @@ class Loop:
                     ) from None
                 profile.before_step(step, state)
                 with timing("step"), watch("step"):
-                    state, metrics = train_step(state, batch)  # runs while we log t-1
-                    if pending is not None:
-                        self._record(pending, result)
+                    state, metrics = train_step(state, batch)  # runs while we log earlier steps
+                    metrics.start_copy()
+                    self._read_finished(pending, result, keep=IN_FLIGHT - 1)
                 profile.after_step(step, metrics)
                 now = time.perf_counter()
-                pending = StepRecord(step, metrics, now - tick, feed.last_wait_s, data_state)
+                pending.append(StepRecord(step, metrics, now - tick, feed.last_wait_s, data_state))
                 tick = now
                 saving = stop.at_step(step) or step % config.checkpoint.every == 0 or step == total
-                if saving:
-                    # Read now: never save a NaN, and this step's line is on disk before its
-                    # checkpoint can become the resume point (a resume truncates lines after it).
-                    with timing("step"), watch("step"):  # waiting for its result: step time
-                        self._record(pending, result, last=stop.requested)
-                    pending = None
                 evaluating = step % config.eval.every == 0 or step == total
+                if saving or evaluating:
+                    # Read all now: never save a NaN; this step's line is on disk before its
+                    # checkpoint can become the resume point (a resume truncates lines after
+                    # it), and before an eval's line.
+                    with timing("step"), watch("step"):  # waiting for its result: step time
+                        self._read_finished(pending, result, keep=0, last=stop.requested)
                 if evaluating and self.sources.make_eval is not None:
                     with timing("eval"), watch("eval"):
                         losses = evaluate_sources(config, self.sources, self.program, state)
@@ -239,11 +254,20 @@ class Loop:
             "optim.lr, or train in precision.compute=bfloat16 (GPUs with bf16) or float32"
         )
 
+    def _read_finished(
+        self, pending: deque[StepRecord], result: RunResult, keep: int, last: bool = False
+    ) -> None:
+        """Read the pending steps in order while they have finished, and the oldest ones anyway
+        until at most `keep` remain; `last` marks the final one read as the run's last."""
+        while pending and (len(pending) > keep or pending[0].metrics.is_ready()):
+            record = pending.popleft()
+            self._record(record, result, last=last and not pending)
+
     def _record(self, record: StepRecord, result: RunResult, last: bool = False) -> None:
         """Read one finished step's metrics; check them; write a line every `log.every` steps,
         at the run's last step, and at a stop (`last`)."""
         step = record.step
-        metrics = {k: float(v) for k, v in jax.device_get(record.metrics).items()}
+        metrics = record.metrics.read()
         if self.watchdog is not None:
             self.watchdog.beat(step)
         self._check_finite(step, metrics)

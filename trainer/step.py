@@ -146,7 +146,10 @@ def make_train_step(
         keep = None  # whether this step's update is applied, where a step may be skipped
         new_loss_scale = None
         if scaling is not None:
-            keep = _all_finite(grads)  # global arrays: every device's and host's gradients
+            # An overflow anywhere makes the global norm non-finite: the norm the clip computes
+            # anyway is the check, where a reduction per gradient was one more pass over them
+            # all (a norm beyond ~1e19, equally untrainable, counts as an overflow too).
+            keep = jnp.isfinite(grad_norm)  # global arrays: every device's and host's gradients
             new_loss_scale = scaling.update(state.loss_scale, keep)
             metrics["loss_scale"] = loss_scale  # the scale this step ran with
         if skip_nonfinite:

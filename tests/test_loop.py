@@ -1,0 +1,162 @@
+"""The loop around the step: it reads a step's metrics once the device has finished it, keeping
+up to `IN_FLIGHT` steps queued instead of waiting on each one; and the checkpoint warm-up sets
+up the first save before the first step, leaving nothing behind."""
+
+import io
+import json
+import shutil
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from input_pipeline.device import DeviceFeed
+from trainer.config import MeshConfig, load_config
+from trainer.data import DataSources
+from trainer.loop import IN_FLIGHT, Loop
+from trainer.observe.metrics import MetricsWriter
+from trainer.parallel import sharding
+from trainer.train import run
+
+STEPS = 12
+
+
+@dataclass
+class FakeDevice:
+    """Finishes step t once step t + `lag` has been dispatched: a device `lag` steps behind."""
+
+    lag: int
+    dispatched: int = 0
+    waits: list[int] = field(default_factory=list)  # steps the host had to wait for
+    ahead: list[int] = field(default_factory=list)  # per read: later steps already dispatched
+
+
+@dataclass
+class FakeMetrics:
+    device: FakeDevice
+    step: int
+    copies: int = 0
+
+    def start_copy(self) -> None:
+        self.copies += 1
+
+    def is_ready(self) -> bool:
+        return self.device.dispatched >= self.step + self.device.lag
+
+    def read(self) -> dict[str, float]:
+        if not self.is_ready():
+            self.device.waits.append(self.step)  # a real read would block here
+        self.device.ahead.append(self.device.dispatched - self.step)
+        one = 1.0
+        return {"loss": one, "grad_norm": one, "lr": one, "tokens": 8.0, "params_finite": one}
+
+
+@dataclass
+class FakeProgram:
+    device: FakeDevice
+    batch_sharding: object
+
+    def stepper(self):
+        def step(state, batch):
+            self.device.dispatched += 1
+            return state + 1, FakeMetrics(self.device, state + 1)
+
+        return step
+
+
+class NoCheckpoints:
+    def warm_up(self, state, meta) -> None:
+        pass
+
+    def save(self, step, state, data_state, meta) -> float:
+        return 0.0
+
+    def wait(self) -> None:
+        pass
+
+
+def run_loop(lag: int, tmp_path, monkeypatch) -> FakeDevice:
+    # batches are always there: the loop reads early only for a data wait (test_watchdog.py)
+    monkeypatch.setattr(DeviceFeed, "ready", lambda self: True)
+    config = load_config(
+        None,
+        [
+            f"run.workdir={tmp_path}",
+            f"run.steps={STEPS}",
+            "log.every=1",
+            f"checkpoint.every={STEPS}",
+            f"eval.every={STEPS}",
+        ],
+    )
+    device = FakeDevice(lag)
+    batches = iter([{"inputs": np.zeros((8, 4), np.int32)}] * STEPS)
+    program = FakeProgram(device, sharding.batch_sharding(sharding.make_mesh(MeshConfig())))
+    sources = DataSources(train=batches, make_eval=None, description="fake", fingerprint="")
+    writer = MetricsWriter(tmp_path, total_steps=STEPS, tensorboard=False, stream=io.StringIO())
+    loop = Loop(config, sources, program, NoCheckpoints(), writer, meta={})
+    loop.train(0, 0, batches)
+    writer.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, STEPS + 1))
+    return device
+
+
+@pytest.mark.parametrize("lag", [1, IN_FLIGHT])
+def test_the_host_never_waits_for_a_step_the_device_may_still_be_running(
+    lag, tmp_path, monkeypatch
+):
+    """With the device up to `IN_FLIGHT` steps behind, the host reads each step's metrics
+    without waiting for it; only the final save waits, for the steps still running, as it must.
+    (Reading step t-1 right after dispatching t, as the loop once did, waits at every step
+    once the device is two steps behind.)"""
+    device = run_loop(lag, tmp_path, monkeypatch)
+    assert device.waits == list(range(STEPS - lag + 1, STEPS + 1))
+
+
+def test_a_device_further_behind_holds_the_host_back_at_in_flight_steps(tmp_path, monkeypatch):
+    """A slower device makes the host wait, for the oldest step: never more than `IN_FLIGHT`
+    steps are dispatched and unread, so the host cannot run away from the device."""
+    device = run_loop(IN_FLIGHT + 2, tmp_path, monkeypatch)
+    assert len(device.waits) > IN_FLIGHT + 2  # it had to wait before the end too
+    assert max(device.ahead) == IN_FLIGHT
+
+
+def tiny_run(corpus, workdir, steps: int):
+    return load_config(
+        None,
+        [
+            *TINY,
+            f"data.path={corpus}",
+            f"run.workdir={workdir}",
+            f"run.steps={steps}",
+            "checkpoint.every=2",
+            "eval.every=100",
+        ],
+    )
+
+
+def test_checkpoint_warm_up_runs_once_and_leaves_nothing_behind(corpus, tmp_path, monkeypatch):
+    """A run that saves before its last step warms the first save up once, before its first
+    step; the throwaway save is gone at the end (also one a killed run left behind), and the
+    run's own checkpoints resume as before."""
+    from trainer.checkpoint import Checkpointer
+
+    warmed = []
+    real_warm_up = Checkpointer.warm_up
+
+    def counting_warm_up(self, state, meta):
+        warmed.append(self.directory)
+        real_warm_up(self, state, meta)
+
+    monkeypatch.setattr(Checkpointer, "warm_up", counting_warm_up)
+    run(tiny_run(corpus, tmp_path, 4))
+    checkpoints = tmp_path / "checkpoints"
+    warm_folder = tmp_path / "checkpoints.warm_up"
+    assert warmed == [checkpoints] and not warm_folder.exists()
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["2", "4"]
+    shutil.copytree(checkpoints / "4", warm_folder / "0")  # as a killed warm-up leaves it
+    result = run(tiny_run(corpus, tmp_path, 8))  # resumes from 4, warms up again
+    assert result.step == 8 and len(warmed) == 2 and not warm_folder.exists()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if "loss" in r) == list(range(1, 9))
