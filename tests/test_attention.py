@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax._src.cudnn import fused_attention_stablehlo as private_cudnn
 from test_model import batch_of, make
 
@@ -535,20 +534,8 @@ def test_on_ampere_packed_rows_run_pallas(monkeypatch):
 
 
 def build(overrides=(), compute="float32", max_docs_per_row=None, vocab=64):
-    """`make`, with the bound on documents per row the trainer passes."""
-    from test_model import SMALL
-
-    from trainer.models import build_model
-
-    config = load_config(None, [*SMALL, *overrides])
-    return build_model(
-        config.model,
-        vocab_size=vocab,
-        rngs=nnx.Rngs(0),
-        compute_dtype=compute,
-        param_dtype="float32",
-        max_docs_per_row=max_docs_per_row,
-    )
+    """`test_model.make`, with the bound on documents per row the trainer passes."""
+    return make(overrides, compute, vocab, max_docs_per_row)
 
 
 def test_xla_gives_the_default_logits_on_cpu():

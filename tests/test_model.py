@@ -24,7 +24,8 @@ SMALL = [
 ]
 
 
-def make(overrides=(), compute="float32", vocab=64):
+def make(overrides=(), compute="float32", vocab=64, max_docs_per_row=None):
+    """The small model; `max_docs_per_row` is the bound on documents per row the trainer passes."""
     config = load_config(None, [*SMALL, *overrides])
     return build_model(
         config.model,
@@ -32,6 +33,7 @@ def make(overrides=(), compute="float32", vocab=64):
         rngs=nnx.Rngs(0),
         compute_dtype=compute,
         param_dtype="float32",
+        max_docs_per_row=max_docs_per_row,
     )
 
 
