@@ -30,9 +30,9 @@ import jax
 from benchmarks._synthetic import synthetic_batch
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
-from trainer.train import builder_for_vocab
+from trainer.program import build_program
 
 
 def batch_for(config, vocab_size: int, sharding_) -> dict:

@@ -8,7 +8,7 @@ On the built-in python-stdlib corpus (byte tokens, prepared once in both formats
 documents), at `seq_len` 1024 and global batch 64 with concat packing unless overridden, it
 measures (median of `--rounds` interleaved rounds, so a busy neighbour hurts every pipeline):
   grain   the configured Grain chain (`make_batch_iterator`): tokens/s, first-batch latency;
-  raw     batched ArrayRecord reads of the same files, no decoding (`input_pipeline.bench`);
+  raw     batched ArrayRecord reads of the same files, no decoding (`benchmarks/input_rate.py`);
   tf.data TFRecord copies of the same records through tf.data, built as its performance guide
           says: parallel non-deterministic interleave, a shuffle buffer, parse batches of
           serialized records with one vectorized `parse_example`, packing to the same batch
@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from input_pipeline.bench import (  # noqa: E402
+from benchmarks.input_rate import (  # noqa: E402
     configured_batches,
     iterator_rate,
     pipeline_rate,
@@ -186,9 +186,7 @@ def device_feed(info: DatasetInfo, config: Config) -> DeviceFeed:
     trainer's loop asks for."""
     batches = configured_batches(info, config.data, config.run.seed)
     mesh = sharding.make_mesh(MeshConfig(data=-1))
-    return DeviceFeed(
-        batches, sharding.batch_sharding(mesh), prefetch=config.data.prefetch, packed=True
-    )
+    return DeviceFeed(batches, sharding.batch_sharding(mesh), prefetch=config.data.prefetch)
 
 
 def feed_batch_s(info: DatasetInfo, config: Config, batches: int) -> float:

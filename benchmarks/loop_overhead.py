@@ -42,16 +42,16 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks._synthetic import synthetic_batch
+from trainer import run
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, load_config
 from trainer.data import dataset_sources
 from trainer.loop import Loop
+from trainer.models import builder_for_vocab
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
-from trainer.parallel.program import TrainProgram, build_program
-from trainer.step import jit_steps
-from trainer.train import builder_for_vocab, run
+from trainer.program import TrainProgram, build_program, jit_train_step
 
 # The model whose state the null step carries: the transformer's full tree of leaves (what
 # dispatch flattens and donates) at a width where copying it costs nothing.
@@ -149,9 +149,7 @@ def null_program(config: Config) -> TrainProgram:
     """The real program (state, shardings, eval step) with the null step as its train step."""
     mesh = sharding.make_mesh(config.mesh)
     program = build_program(config, mesh, builder_for_vocab(config, 256))
-    train_step, _ = jit_steps(
-        null_train_step, program.eval_step, program.shardings, program.batch_sharding
-    )
+    train_step = jit_train_step(null_train_step, program.shardings, program.batch_sharding)
     return dataclasses.replace(program, train_step=train_step)
 
 
@@ -190,18 +188,14 @@ def loop_cost(batch: int, seq_len: int, steps: int, warmup: int = 20) -> LoopCos
     with tempfile.TemporaryDirectory() as workdir:
         config = null_config(workdir, batch, seq_len, timed[1] + every)
         program = null_program(config)
-        sources = dataset_sources(config)
+        sources = dataset_sources(config.data, seed=config.run.seed)
         writer = TimedWriter(
             workdir, total_steps=config.run.steps, stream=io.StringIO(), timed=timed
         )
         checkpointer = Checkpointer(Path(workdir) / "checkpoints", config.checkpoint)
         loop = Loop(config, sources, program, checkpointer, writer, meta={}, goodput=Goodput())
-        try:
-            with jax.set_mesh(program.mesh):
-                loop.train(program.init(), 0, sources.train)
-        finally:
-            checkpointer.close()
-            writer.close()
+        with loop, jax.set_mesh(program.mesh):
+            loop.train(program.init(), 0)
     lines = [line for line in writer.lines if timed[0] <= line[0] <= timed[1]]
     (first_step, first, _), (last_step, last, _) = lines[0], lines[-1]
     count = last_step - first_step

@@ -25,10 +25,10 @@ import jax  # noqa: E402
 
 from benchmarks._synthetic import synthetic_batch  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.models import builder_for_vocab  # noqa: E402
 from trainer.parallel import sharding  # noqa: E402
 from trainer.parallel.pipeline import bubble_fraction  # noqa: E402
-from trainer.parallel.program import build_program  # noqa: E402
-from trainer.train import builder_for_vocab  # noqa: E402
+from trainer.program import build_program  # noqa: E402
 
 VOCAB = 256
 MODEL = [

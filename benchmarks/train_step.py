@@ -30,12 +30,12 @@ import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 
 from benchmarks._synthetic import synthetic_batch
+from trainer import run
 from trainer.config import Config, load_config
-from trainer.data import lm_batches, load_dataset
+from trainer.data import dataset_sources, load_dataset
 from trainer.models import build_model
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
-from trainer.train import run
+from trainer.program import build_program
 
 
 def builder(config: Config, vocab_size: int):
@@ -138,8 +138,8 @@ def main() -> None:
         trainer_times, bare_times, in_place_times, other_times, waits = [], [], [], [], []
         for _ in range(args.rounds):  # interleaved: a busy neighbour slows every side alike
             trainer_s, max_wait, config = trainer_step_seconds(path, args.steps)
-            info = load_dataset(config)
-            host = lm_batches(config, info, "train")
+            info = load_dataset(config.data)
+            host = dataset_sources(config.data, seed=config.run.seed).train
             batches = [next(host) for _ in range(8)]
             bare_times.append(bare_step_seconds(config, info.vocab_size, batches, args.steps))
             in_place_times.append(

@@ -15,8 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
-from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, partitioned
-from trainer.models.transformer import TransformerSpec
+from trainer.models.layers import (
+    Attention,
+    PackedLayout,
+    RMSNorm,
+    SwiGLU,
+    TransformerSpec,
+    partitioned,
+)
 
 
 class ParallelBlock(nnx.Module):

@@ -74,12 +74,22 @@ class DeviceFeed:
     One background thread reads a host batch, takes the iterator's state and places the batch on
     the devices; at most `prefetch` placed batches wait (and one more is being made). Reading
     and placing share one thread: both are mostly Python holding the GIL, so a second thread
-    would add a hand-over and overlap nothing."""
+    would add a hand-over and overlap nothing. `feeders`: `row_feeders(sharding)`'s count, which
+    the run computes once.
 
-    def __init__(self, host_iterator: Iterator, sharding: NamedSharding, prefetch: int = 4):
+    Kept over Grain's `device_put` (two threads, `queue.Queue`, `jax.device_put`): slower in
+    BENCHMARKS.md "Input pipeline alone" (1) and "The loop's own cost"; and no `ready()`."""
+
+    def __init__(
+        self,
+        host_iterator: Iterator,
+        sharding: NamedSharding,
+        prefetch: int = 4,
+        feeders: int | None = None,
+    ):
         self._iterator = host_iterator
         self._sharding = sharding
-        self._feeders = row_feeders(sharding)[1]
+        self._feeders = row_feeders(sharding)[1] if feeders is None else feeders
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._free_slots: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, prefetch)):

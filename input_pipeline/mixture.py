@@ -27,8 +27,18 @@ def rows_per_read(weight: float, rows: int) -> int:
     return max(1, math.ceil(weight * rows))
 
 
+def mixed(iterators: dict[str, Any], weights: dict[str, float], rows: int) -> Any:
+    """A `MixedStream`; a mixture of one is its source's iterator, its batches and state as is."""
+    if len(iterators) == 1:
+        return next(iter(iterators.values()))
+    return MixedStream(iterators, weights, rows)
+
+
 class MixedStream:
-    """`rows` rows per batch from `iterators` (name -> checkpointable batch iterator) by weight."""
+    """`rows` rows per batch from `iterators` (name -> checkpointable batch iterator) by weight.
+
+    Kept over Grain's `IterDataset.mix`, which mixes whole elements and counts no tokens per
+    source: this mixes rows, exact to one row, and checkpoints `tokens_<name>`."""
 
     def __init__(self, iterators: dict[str, Any], weights: dict[str, float], rows: int):
         if set(iterators) != set(weights):

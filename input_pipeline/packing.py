@@ -1,17 +1,16 @@
 """Concat packing, a whole batch at a time.
 
-The records of a split are concatenated into one stream of next-token pairs and cut into rows of
-`seq_len`; a batch is the next `batch_size * seq_len` pairs of that stream: one slice copy per
-record into the batch arrays, whole-batch fills for `segment_ids`, `positions` and `weights`, and
-two slice updates per document that starts inside a row -- O(records + rows) numpy calls and no
-per-token Python, where Grain's ConcatThenSplit + a per-row map + `.batch` stacking spent Python
-per row and per element.
+Custom, not Grain's ConcatThenSplit: that chain (+ a per-row map + `.batch`) ran at 0.03x of the
+raw read rate (BENCHMARKS.md, "Input pipeline alone"), and it has no documents-per-row bound.
+Records are concatenated into one stream of next-token pairs cut into rows of `seq_len`; a batch
+is the next `batch_size * seq_len` pairs, built with O(records + rows) numpy calls and no
+per-token Python.
 
-Batches are exactly what ConcatThenSplit + `.batch` + `PadBatch` gave: the same tokens in the
-same order, a document cut at a row end goes on at position 0 of the next row, segment ids
-restart at 1 per row, 0 is padding, and the data's end is padded with zero-weight rows. One
-difference: a record with no pairs (impossible from `prepare`, which keeps >= 2 tokens) is
-skipped here, where ConcatThenSplit spent a segment id on it.
+Batches are exactly what ConcatThenSplit + padded `.batch` gave: the same tokens in the same
+order, a document cut at a row end goes on at position 0 of the next row, segment ids restart at
+1 per row, 0 is padding, and the data's end is padded with zero-weight rows. One difference: a
+record with no pairs (impossible from `prepare`) is skipped here, where ConcatThenSplit spent a
+segment id on it.
 
 `max_docs_per_row` bounds the pieces (segment ids) of a row, as the packed-document attention
 kernel takes a static count: when the piece that reaches the bound ends inside its row, the rest

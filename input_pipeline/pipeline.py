@@ -10,6 +10,7 @@ Batch contract: `inputs`, `targets`, `segment_ids`, `positions` int32 `[B, L]`, 
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import grain
@@ -20,7 +21,8 @@ from input_pipeline.errors import DataError
 from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
-from input_pipeline.tfrecords import tfrecord_pairs
+from input_pipeline.tfdata import tfdata_records
+from input_pipeline.tfrecords import READERS, grain_records, host_shards
 from input_pipeline.workers import host_only_worker
 
 PACKING_MODES = ("concat", "first_fit")
@@ -40,13 +42,14 @@ class ReadRecords(grain.transforms.Map):
     """Read number `n` -> its `per_read` decoded records of this host's stream: records
     `host_index::host_count`, in a seeded permutation that is new every epoch, repeated.
 
-    A read of many records per Grain element keeps Grain's per-element cost (a thread-pool
-    future, its stats) off the per-record path, and a numpy permutation per epoch costs nothing
-    per record, where Grain's `index_shuffle` costs a call per record. Records `CheckedSource`
-    could not read (`data.skip_corrupt`) are dropped. With `epoch_shift` > 0 the first record of
-    every epoch starts a seeded `0..epoch_shift-1` pairs late (never past its last pair), so
-    concat packing cuts new windows each epoch; a pure function of the read number, so resuming
-    re-reads the same shifted record."""
+    Custom, not Grain's `MapDataset.shuffle().repeat()`: that costs ~13-15 us per record
+    (BENCHMARKS.md, "Measurements moved out of docstrings"), a numpy permutation per epoch
+    nothing, and Grain has no per-epoch shift. Many records per Grain element keep Grain's
+    per-element cost off the per-record path. Records `CheckedSource` could not read
+    (`data.skip_corrupt`) are dropped. With `epoch_shift` > 0 the first record of every epoch
+    starts a seeded `0..epoch_shift-1` pairs late (never past its last pair), so concat packing
+    cuts new windows each epoch; a pure function of the read number, so resuming re-reads the
+    same shifted record."""
 
     def __init__(
         self,
@@ -109,22 +112,28 @@ class ReadRecords(grain.transforms.Map):
         return [record for record in decoded if record is not None]
 
 
-class ToBatchContract(grain.transforms.Map):
-    """Grain's packed feature names -> the trainer's batch dict."""
+def to_batch_contract(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Grain's packed feature names -> the trainer's batch dict (rows or whole batches)."""
+    segment_ids = packed["inputs_segment_ids"].astype(np.int32)
+    return {
+        "inputs": packed["inputs"].astype(np.int32),
+        "targets": packed["targets"].astype(np.int32),
+        "segment_ids": segment_ids,
+        "positions": packed["inputs_positions"].astype(np.int32),
+        "weights": (segment_ids > 0).astype(np.float32),
+    }
 
-    def map(self, packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        segment_ids = packed["inputs_segment_ids"].astype(np.int32)
-        return {
-            "inputs": packed["inputs"].astype(np.int32),
-            "targets": packed["targets"].astype(np.int32),
-            "segment_ids": segment_ids,
-            "positions": packed["inputs_positions"].astype(np.int32),
-            "weights": (segment_ids > 0).astype(np.float32),
-        }
+
+def padded_batches(rows: grain.IterDataset, batch_size: int) -> grain.IterDataset:
+    """Packed rows -> batches in the batch contract; a short final batch is padded with
+    zero-weight rows, so every eval token counts once and the step keeps its compiled shape."""
+    pad = functools.partial(grain.experimental.batch_and_pad, batch_size=batch_size)
+    return rows.batch(batch_size, batch_fn=pad).map(to_batch_contract)
 
 
 class SplitToLength(grain.experimental.FlatMapTransform):
-    """first_fit packs whole pieces: cut records longer than a row into row-sized pieces."""
+    """first_fit packs whole pieces: cut records longer than a row into row-sized pieces
+    (Grain's packers require inputs already cut to the row length)."""
 
     def __init__(self, seq_len: int, max_record_tokens: int):
         self.seq_len = seq_len
@@ -137,23 +146,6 @@ class SplitToLength(grain.experimental.FlatMapTransform):
             for record in records
             for start in range(0, len(record["inputs"]), self.seq_len)
         ]
-
-
-class PadBatch(grain.transforms.Map):
-    """Pad a short final batch with zero-weight rows: every eval token counts once, and the
-    batch keeps the shape the step was compiled for."""
-
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
-
-    def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = self.batch_size - len(batch["inputs"])
-        if missing <= 0:
-            return batch
-        return {
-            k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)])
-            for k, v in batch.items()
-        }
 
 
 def split_source(info: DatasetInfo, split: str, reading: Reading) -> CheckedSource:
@@ -225,6 +217,17 @@ def arrayrecord_pairs(
     return grain.MapDataset.range(reads.num_reads).map(reads).to_iter_dataset(options)
 
 
+def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.IterDataset:
+    """This host's decoded `{"inputs", "targets"}` records of a TFRecord split, read by Grain
+    (`reading.reader` auto/grain) or tf.data (`tfdata`)."""
+    if reading.reader not in READERS:
+        raise DataError(f"data.reader={reading.reader!r} is unknown; use one of {READERS}")
+    paths = host_shards(info, split, reading.process_index, reading.process_count)
+    if reading.reader == "tfdata":
+        return tfdata_records(paths, reading)
+    return grain_records(paths, info.vocab_size, reading)
+
+
 def make_batch_iterator(
     info: DatasetInfo,
     split: str,
@@ -264,8 +267,7 @@ def make_batch_iterator(
             shuffle_bins=reading.shuffle,
             max_sequences_per_bin=max_docs_per_row,
         )
-        batches = rows.map(ToBatchContract()).batch(batch_size, drop_remainder=False)
-        batches = batches.map(PadBatch(batch_size))
+        batches = padded_batches(rows, batch_size)
     if reading.workers > 0:
         options = grain.MultiprocessingOptions(num_workers=reading.workers)
         batches = batches.mp_prefetch(options, worker_init_fn=host_only_worker)

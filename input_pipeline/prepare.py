@@ -235,10 +235,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--input", action="append", required=True, help="glob of input files")
-    parser.add_argument("--output", required=True, help="dataset folder to create")
+    # Destinations are `prepare_files`' parameter names: the parsed arguments are its call.
+    parser.add_argument(
+        "--input", dest="inputs", action="append", required=True, help="glob of input files"
+    )
+    parser.add_argument(
+        "--output", dest="output_dir", required=True, help="dataset folder to create"
+    )
     parser.add_argument("--eval-fraction", type=float, default=0.01)
-    parser.add_argument("--eval-input", action="append", help="glob of held-out files")
+    parser.add_argument(
+        "--eval-input", dest="eval_inputs", action="append", help="glob of held-out files"
+    )
     parser.add_argument(
         "--tokenizer",
         default="byte",
@@ -248,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, help="pieces of a trained SentencePiece model")
     parser.add_argument(
         "--tokenizer-sample-sentences",
+        dest="sample_sentences",
         type=int,
         default=TRAINING_SENTENCES,
         help=f"lines of training text SentencePiece learns from (default {TRAINING_SENTENCES:,})",
@@ -268,36 +276,19 @@ def main(argv: list[str] | None = None) -> int:
         "--merge", action="store_true", help="write dataset.json once every part has finished"
     )
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
     args = parser.parse_args(argv)
     try:
-        out = prepare_files(
-            args.input,
-            args.output,
-            eval_inputs=args.eval_input,
-            text_field=args.text_field,
-            eval_fraction=args.eval_fraction,
-            tokenizer=args.tokenizer,
-            vocab_size=args.vocab_size,
-            num_shards=args.num_shards,
-            format=args.format,
-            max_record_tokens=args.max_record_tokens,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            workers=args.workers,
-            group_mb=args.group_mb,
-            sample_sentences=args.tokenizer_sample_sentences,
-            num_parts=args.num_parts,
-            part=args.part,
-            merge=args.merge,
-        )
+        out = prepare_files(**vars(args))
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if out is None:
         print(
             f"part {args.part} of {args.num_parts} done; the last part to finish (or --merge) "
-            f"writes {args.output}",
+            f"writes {args.output_dir}",
             file=sys.stderr,
         )
         return 0

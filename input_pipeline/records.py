@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,49 +34,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def split_long(tokens: np.ndarray, max_record_tokens: int) -> list[np.ndarray]:
     """Cut a long document into pieces so random access reads a bounded record."""
     return [tokens[i : i + max_record_tokens] for i in range(0, len(tokens), max_record_tokens)]
-
-
-def shard_name(split: str, index: int, count: int) -> str:
-    return f"{split}-{index:05d}-of-{count:05d}.arrayrecord"
-
-
-def write_round_robin(
-    records: Iterable[np.ndarray],
-    folder: Path,
-    names: list[str],
-    open_writer: Callable[[str], Any],
-    encode: Callable[[np.ndarray], bytes],
-) -> list[dict[str, Any]]:
-    """Write records round-robin over the shard files `names` (any format: `open_writer` gives
-    an object with `write(bytes)` and `close()`); return per-shard counts and hashes."""
-    writers = [open_writer(str(folder / n)) for n in names]
-    counts = [[0, 0] for _ in names]  # records, tokens
-    try:
-        for i, tokens in enumerate(records):
-            shard = i % len(names)
-            writers[shard].write(encode(tokens))
-            counts[shard][0] += 1
-            counts[shard][1] += len(tokens)
-    finally:
-        for writer in writers:
-            writer.close()
-    return [
-        {"file": name, "records": r, "tokens": t, "sha256": sha256_of(folder / name)}
-        for name, (r, t) in zip(names, counts, strict=True)
-    ]
-
-
-def write_shards(
-    records: Iterable[np.ndarray], folder: Path, split: str, num_shards: int, dtype: np.dtype
-) -> list[dict[str, Any]]:
-    """ArrayRecord shards: each record is its tokens' raw bytes."""
-    return write_round_robin(
-        records,
-        folder,
-        [shard_name(split, i, num_shards) for i in range(num_shards)],
-        lambda path: ArrayRecordWriter(path, WRITER_OPTIONS),
-        lambda tokens: np.asarray(tokens, dtype=dtype).tobytes(),
-    )
 
 
 Codec = tuple[Callable[[str], Any], Callable[[np.ndarray], bytes]]  # open a shard; encode
@@ -153,11 +110,11 @@ class DecodeRecord(grain.transforms.Map):
 class CheckedSource:
     """Random access over a split's shards that turns ArrayRecord corruption into a `DataError`
     naming the shard — or, with `skip_corrupt`, yields `None` for records that cannot be read
-    (a whole shard when even its index is unreadable); the pipeline filters those out.
+    (a whole shard when even its index is unreadable); the pipeline filters those out. Custom:
+    Grain's `ArrayRecordDataSource` neither names a damaged shard nor skips damaged records.
 
-    Each skipped record is appended to `skip_log` (a JSON line, one `write` on an append-mode
-    file, so Grain's reader threads and worker processes can all report into it) and
-    `count_skipped` turns that file into the number the metrics show."""
+    Each skipped record is appended to `skip_log` (`log_skip`), and `count_skipped` turns that
+    file into the number the metrics show."""
 
     def __init__(
         self,
@@ -194,7 +151,7 @@ class CheckedSource:
         except RuntimeError as err:
             if not self.skip_corrupt:
                 raise DataError(_corrupt_message(self.paths[shard], err)) from None
-        self._report_skip(shard, index)
+        log_skip(self.skip_log, {"shard": self.paths[shard], "record": int(index)})
         return None
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | None]:
@@ -234,15 +191,17 @@ class CheckedSource:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _report_skip(self, shard: int, index: int) -> None:
-        if self.skip_log is None:
-            return
-        line = json.dumps({"shard": self.paths[shard], "record": int(index)}) + "\n"
-        fd = os.open(self.skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+
+def log_skip(skip_log: str | None, entry: dict[str, Any]) -> None:
+    """Append one skipped record to `skip_log` as a JSON line: one `write` on an append-mode
+    file, so Grain's reader threads and worker processes can all report into it."""
+    if skip_log is None:
+        return
+    fd = os.open(skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(entry) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def count_skipped(skip_log: Path) -> int:

@@ -44,6 +44,8 @@ class StreamBatches:
     (when `data.streams` is unset) reopens them without first starting readers twice.
     `pad_exhausted` (eval): a finished stream yields zero-weight rows forever, so every process
     runs the same number of steps and a padded row changes no sum.
+
+    Kept over Grain's `ElasticIterator`, which re-shards only an unpacked `MapDataset`.
     """
 
     def __init__(

@@ -26,6 +26,7 @@ import grain
 import numpy as np
 
 from input_pipeline.errors import DataError
+from input_pipeline.reading import Reading
 from input_pipeline.tfrecords import FEATURE, SHUFFLE_RECORDS, tensorflow
 
 PARSE_BATCH = 256  # serialized records per vectorized parse_example call
@@ -57,6 +58,23 @@ def make_tf_dataset(paths: list[str], *, shuffle: bool, seed: int, num_epochs: i
 
     batches = records.batch(PARSE_BATCH).map(parse, num_parallel_calls=autotune, deterministic=True)
     return batches.prefetch(autotune)
+
+
+def tfdata_records(paths: list[str], reading: Reading) -> TfDataRecords:
+    """This reader's TFRecord shards `paths` through tf.data (`data.reader=tfdata`)."""
+    if reading.skip_corrupt:
+        raise DataError(
+            "data.skip_corrupt=true is not supported by data.reader=tfdata (tf.data cannot "
+            "count what it skips); use data.reader=grain, or re-run prepare --overwrite"
+        )
+    if reading.workers > 0:
+        raise DataError(
+            f"data.workers={reading.workers} does not apply to data.reader=tfdata, which runs "
+            "its own parallel reads; set data.workers=0 or use data.reader=grain"
+        )
+    return TfDataRecords(
+        paths, shuffle=reading.shuffle, seed=reading.seed, num_epochs=reading.num_epochs
+    )
 
 
 class TfDataRecords(grain.IterDataset):

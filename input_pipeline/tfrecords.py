@@ -2,8 +2,8 @@
 
 A shard `{split}-{i:05d}-of-{n:05d}.tfrecord` is uncompressed; each record is one
 `tf.train.Example` whose single int64 feature `tokens` holds one document (or one bounded piece
-of a long one) — the same records `records.write_shards` puts in ArrayRecord, so both formats
-feed the same packing. TensorFlow is imported only here and in `tfdata.py`, on first use: its
+of a long one) — the same records an ArrayRecord shard holds, so both formats feed the same
+packing. TensorFlow is imported only on first use (`tensorflow()`, shared with `tfdata.py`): its
 import time and memory (BENCHMARKS.md) are not for ArrayRecord users to pay.
 
 Grain reads TFRecord sequentially (no random access), so this host's shards are shuffled per
@@ -14,10 +14,8 @@ state is each open shard's byte offset plus the window position, and restores ex
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import grain
@@ -26,7 +24,7 @@ import numpy as np
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
-from input_pipeline.records import Codec, write_round_robin
+from input_pipeline.records import Codec, log_skip
 
 FEATURE = "tokens"
 READERS = ("auto", "grain", "tfdata")
@@ -46,10 +44,6 @@ def tensorflow():
     return tf
 
 
-def shard_name(split: str, index: int, count: int) -> str:
-    return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
-
-
 def tfrecord_codec(dtype: np.dtype) -> Codec:
     """How a TFRecord shard is opened and a record encoded (one `tf.train.Example`)."""
     tf = tensorflow()
@@ -60,16 +54,6 @@ def tfrecord_codec(dtype: np.dtype) -> Codec:
         return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
     return tf.io.TFRecordWriter, encode
-
-
-def write_shards(
-    records: Iterable[np.ndarray], folder: Path, split: str, num_shards: int, dtype: np.dtype
-) -> list[dict[str, Any]]:
-    """Write records round-robin over `num_shards` TFRecord files (as `records.write_shards`
-    does for ArrayRecord); return per-shard counts and hashes."""
-    open_writer, encode = tfrecord_codec(dtype)
-    names = [shard_name(split, i, num_shards) for i in range(num_shards)]
-    return write_round_robin(records, folder, names, open_writer, encode)
 
 
 def host_shards(info: DatasetInfo, split: str, process_index: int, process_count: int) -> list:
@@ -86,35 +70,17 @@ def host_shards(info: DatasetInfo, split: str, process_index: int, process_count
     return paths[process_index::process_count]
 
 
-def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.IterDataset:
-    """This host's decoded `{"inputs", "targets"}` records of a TFRecord split, read by Grain
-    (`reading.reader` auto/grain) or tf.data (`tfdata`); packing and batching follow, shared."""
-    if reading.reader not in READERS:
-        raise DataError(f"data.reader={reading.reader!r} is unknown; use one of {READERS}")
-    paths = host_shards(info, split, reading.process_index, reading.process_count)
-    if reading.reader == "tfdata":
-        from input_pipeline.tfdata import TfDataRecords  # tfdata imports this module
-
-        if reading.skip_corrupt:
-            raise DataError(
-                "data.skip_corrupt=true is not supported by data.reader=tfdata (tf.data cannot "
-                "count what it skips); use data.reader=grain, or re-run prepare --overwrite"
-            )
-        if reading.workers > 0:
-            raise DataError(
-                f"data.workers={reading.workers} does not apply to data.reader=tfdata, which runs "
-                "its own parallel reads; set data.workers=0 or use data.reader=grain"
-            )
-        return TfDataRecords(
-            paths, shuffle=reading.shuffle, seed=reading.seed, num_epochs=reading.num_epochs
-        )
+def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.IterDataset:
+    """Decoded `{"inputs", "targets"}` records of TFRecord shards `paths`, read by Grain: a
+    seeded file order per epoch, interleaved shards, a seeded shuffle window."""
     files = grain.MapDataset.source(paths)
     if reading.shuffle:
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch
     skip_log = str(reading.skip_log) if reading.skip_log else None
-    shards = files.repeat(reading.num_epochs).map(
-        OpenShard(info.vocab_size, reading.skip_corrupt, skip_log)
+    shard = functools.partial(
+        TFRecordShard, vocab_size=vocab_size, skip_corrupt=reading.skip_corrupt, skip_log=skip_log
     )
+    shards = files.repeat(reading.num_epochs).map(shard)
     # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
     # sees records in the same order as the ArrayRecord pipeline does.
     records = grain.experimental.InterleaveIterDataset(
@@ -129,21 +95,10 @@ def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.Ite
     return records
 
 
-class OpenShard(grain.transforms.Map):
-    """Shard path -> a dataset of its parsed records (picklable, for Grain worker processes)."""
-
-    def __init__(self, vocab_size: int, skip_corrupt: bool, skip_log: str | None):
-        self.vocab_size = vocab_size
-        self.skip_corrupt = skip_corrupt
-        self.skip_log = skip_log
-
-    def map(self, path: str) -> grain.IterDataset:
-        return TFRecordShard(path, self.vocab_size, self.skip_corrupt, self.skip_log)
-
-
 class TFRecordShard(grain.IterDataset):
     """One shard through `grain.experimental.TFRecordIterDataset`, parsed to next-token pairs;
-    damage becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip."""
+    custom because Grain's reader neither names a damaged file nor skips damaged records: damage
+    becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip."""
 
     def __init__(self, path: str, vocab_size: int, skip_corrupt: bool, skip_log: str | None):
         super().__init__()
@@ -198,13 +153,7 @@ class _ShardIterator(grain.DatasetIterator):
         path = self._shard.path
         if not self._shard.skip_corrupt:
             raise DataError(_damaged(path, f"{problem} at byte {offset}"))
-        if self._shard.skip_log:
-            line = json.dumps({"shard": path, "offset": offset}) + "\n"
-            fd = os.open(self._shard.skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+        log_skip(self._shard.skip_log, {"shard": path, "offset": offset})
 
     def get_state(self) -> dict[str, Any]:
         return self._records.get_state()

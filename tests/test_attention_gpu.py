@@ -170,9 +170,9 @@ def batches(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
 
 
 def training_losses(overrides, steps: int = 30) -> list[float]:
+    from trainer.models import builder_for_vocab
     from trainer.parallel import sharding
-    from trainer.parallel.program import build_program
-    from trainer.train import builder_for_vocab
+    from trainer.program import build_program
 
     config = load_config(None, [*SMALL, *overrides])
     mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
@@ -189,7 +189,7 @@ def training_losses(overrides, steps: int = 30) -> list[float]:
 
 
 def test_auto_picks_the_packed_kernel_for_this_gpu():
-    from trainer.train import builder_for_vocab
+    from trainer.models import builder_for_vocab
 
     config = load_config(None, SMALL)
     model = builder_for_vocab(config, VOCAB)(rngs=nnx.Rngs(0))

@@ -17,9 +17,10 @@ from conftest import TINY
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
 from trainer.errors import TrainingError
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
-from trainer.train import builder_for_vocab, run
+from trainer.program import build_program
+from trainer.train import run
 
 
 def rows_of(workdir: Path) -> list[dict]:
@@ -164,9 +165,9 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
     devices = jax.devices()
 
     def program(data, fsdp, count):
-        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, 1
-        mesh = sharding.make_mesh(config.mesh, devices[:count])
-        return build_program(config, mesh, builder_for_vocab(config, 256))
+        derived = config.derive({"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": 1})
+        mesh = sharding.make_mesh(derived.mesh, devices[:count])
+        return build_program(derived, mesh, builder_for_vocab(derived, 256))
 
     saver = program(1, 8, 8)
     state = saver.init()

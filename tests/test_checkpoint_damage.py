@@ -19,9 +19,10 @@ from conftest import TINY
 from trainer.config import load_config
 from trainer.export import export_params
 from trainer.generate import load_generator
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
-from trainer.train import builder_for_vocab, init_from, run
+from trainer.program import build_program
+from trainer.train import init_from, run
 
 STEPS = 6
 ARGS = [

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pydantic
 import pytest
 
 from trainer.config import Config, config_from_dict, load_config
@@ -81,6 +82,20 @@ def test_missing_and_broken_files(tmp_path):
 def test_saved_config_revalidates():
     tree = load_config(None, ["optim.lr=0.01"]).to_dict()
     assert config_from_dict(tree).optim.lr == 0.01
+
+
+def test_a_config_is_read_only_and_variants_are_derived():
+    config = load_config(None, ["mesh.fsdp=2"])
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.mesh.fsdp = 4
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.mesh = config.mesh
+    variant = config.derive({"mesh.stage": 1, "mesh.fsdp": 4, "model.args.extra": 2})
+    assert (variant.mesh.fsdp, variant.model.args, config.mesh.fsdp) == (4, {"extra": 2}, 2)
+    with pytest.raises(ConfigError, match=r"^unknown key mesh\.fsdpp; did you mean mesh\.fsdp\?$"):
+        config.derive({"mesh.fsdpp": 4})
+    with pytest.raises(ConfigError, match="mesh.fsdp=0 is not a mesh size"):
+        config.derive({"mesh.fsdp": 0})
 
 
 def cli(repo_root, *args):

@@ -9,7 +9,7 @@ import pytest
 from trainer.config import load_config
 from trainer.models import build_model
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
+from trainer.program import build_program
 
 CONFIGS = sorted(
     p.name for p in (__import__("pathlib").Path(__file__).parents[1] / "configs").glob("*.yaml")

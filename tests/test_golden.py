@@ -16,9 +16,9 @@ import pytest
 from conftest import TINY
 
 from trainer.config import load_config
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
-from trainer.train import builder_for_vocab
+from trainer.program import build_program
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_step.json"
 VOCAB, ROWS, LENGTH = 64, 16, 64

@@ -22,9 +22,10 @@ from trainer.export import export_params
 from trainer.generate import load_generator, sample
 from trainer.hf.config import hf_config, model_fields
 from trainer.hf.weights import load_hf_params
-from trainer.parallel.program import build_program
+from trainer.models import builder_for_vocab
 from trainer.parallel.sharding import make_mesh
-from trainer.train import builder_for_vocab, run
+from trainer.program import build_program
+from trainer.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 UNTIED = FIXTURES / "hf_tiny_llama"  # GQA, llama3 rope scaling, norm eps 1e-5, tokenizer

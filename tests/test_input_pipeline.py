@@ -266,7 +266,7 @@ def test_skip_corrupt_keeps_training_on_the_readable_records(dataset, tmp_path):
 
 
 def test_bench_cli_reports_pipeline_and_raw_rates(dataset, capsys, repo_root):
-    from input_pipeline.bench import main as bench_main
+    from benchmarks.input_rate import main as bench_main
 
     code = bench_main(
         ["--config", "configs/tiny.yaml", "--batches", "3", f"data.path={dataset.path}"]

@@ -195,7 +195,7 @@ AXES = [
 
 def test_annotate_axes_shards_a_model_written_without_axes(tmp_path):
     config = config_for(tmp_path, 3)
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+    config = config.derive({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     result = trainer.run(
         config,
         model=lambda rngs: trainer.annotate_axes(Unannotated(rngs), AXES),

@@ -95,7 +95,7 @@ def run_loop(lag: int, tmp_path, monkeypatch) -> FakeDevice:
     sources = DataSources(train=batches, make_eval=None, description="fake", fingerprint="")
     writer = MetricsWriter(tmp_path, total_steps=STEPS, tensorboard=False, stream=io.StringIO())
     loop = Loop(config, sources, program, NoCheckpoints(), writer, meta={})
-    loop.train(0, 0, batches)
+    loop.train(0, 0)
     writer.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == list(range(1, STEPS + 1))

@@ -10,13 +10,13 @@ from conftest import TINY
 
 import trainer
 from trainer.config import PrecisionConfig, load_config
-from trainer.data import lm_batches, load_dataset
+from trainer.data import dataset_sources, load_dataset
 from trainer.errors import TrainingError
 from trainer.loss_scale import LossScaling
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
+from trainer.program import build_program
 from trainer.step import next_token_loss
-from trainer.train import builder_for_vocab
 
 STEPS = 200
 
@@ -33,16 +33,16 @@ def tiny_program(corpus, mesh_shape=(1, 1, 1), overrides=(), loss_fn=next_token_
         [*TINY, f"data.path={corpus}", f"run.steps={STEPS}", "optim.lr=3e-3", *overrides],
     )
     data, fsdp, tensor = mesh_shape
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
+    config = config.derive({"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
     mesh = sharding.make_mesh(config.mesh, jax.devices()[: data * fsdp * tensor])
-    vocab = load_dataset(config).vocab_size
+    vocab = load_dataset(config.data).vocab_size
     return build_program(config, mesh, builder_for_vocab(config, vocab), loss_fn), config
 
 
 @pytest.fixture(scope="module")
 def host_batches(corpus):
     config = load_config(None, [*TINY, f"data.path={corpus}"])
-    batches = lm_batches(config, load_dataset(config), "train")
+    batches = dataset_sources(config.data, seed=config.run.seed).train
     return [next(batches) for _ in range(STEPS)]
 
 
@@ -158,7 +158,7 @@ def test_a_collapsed_scale_stops_the_run_with_one_line(corpus, host_batches, tmp
         ],
     )
     boosted = ({**b, "boost": np.full(len(b["inputs"]), 1e30, np.float32)} for b in host_batches)
-    build = builder_for_vocab(config, load_dataset(config).vocab_size)
+    build = builder_for_vocab(config, load_dataset(config.data).vocab_size)
     model = lambda rngs: build(rngs=rngs)  # noqa: E731  (a factory, as a library user brings)
     with pytest.raises(TrainingError) as caught:
         trainer.run(config, model=model, loss_fn=boosted_loss, data=boosted)

@@ -38,7 +38,7 @@ def mixture(code, prose, code_weight=0.75, prose_weight=0.25) -> str:
 
 def test_token_shares_follow_the_weights(corpus, prose, tmp_path):
     config = load_config(None, [*TINY, mixture(corpus, prose), f"run.workdir={tmp_path}"])
-    sources = dataset_sources(config)
+    sources = dataset_sources(config.data, seed=config.run.seed)
     batches = take(sources.train, 200)
     tokens = tokens_by_source(sources.train.get_state())
     total = sum(tokens.values())
@@ -56,13 +56,13 @@ def test_sources_with_different_tokenizers_are_refused_in_one_line(corpus, prose
     (other / "dataset.json").write_text(json.dumps(info))
     config = load_config(None, [*TINY, mixture(corpus, other), f"run.workdir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"sources 'code' \(byte .*\) and 'prose' \(sentencep"):
-        dataset_sources(config)
+        dataset_sources(config.data, seed=config.run.seed)
 
 
 def test_memory_cache_gives_the_batches_of_the_disk(corpus, tmp_path, monkeypatch):
     args = [*TINY, f"data.path={corpus}", f"run.workdir={tmp_path}"]
-    disk = dataset_sources(load_config(None, args))
-    memory = dataset_sources(load_config(None, [*args, "data.cache=memory"]))
+    disk = dataset_sources(load_config(None, args).data, seed=0)
+    memory = dataset_sources(load_config(None, [*args, "data.cache=memory"]).data, seed=0)
     for a, b in zip(take(disk.train, 8), take(memory.train, 8), strict=True):
         assert same(a, b)
     for a, b in zip(take(disk.make_eval(), 3), take(memory.make_eval(), 3), strict=True):
@@ -70,7 +70,7 @@ def test_memory_cache_gives_the_batches_of_the_disk(corpus, tmp_path, monkeypatc
 
     monkeypatch.setattr(trainer.data, "available_memory", lambda: 1 << 10)
     with pytest.raises(DataError, match=r"data.cache=memory needs .* GiB .* available; use"):
-        dataset_sources(load_config(None, [*args, "data.cache=memory"]))
+        dataset_sources(load_config(None, [*args, "data.cache=memory"]).data, seed=0)
 
 
 def rows_of(workdir):

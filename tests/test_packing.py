@@ -12,13 +12,7 @@ from conftest import take
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.packing import ConcatPackIterDataset
-from input_pipeline.pipeline import (
-    FEATURES,
-    PadBatch,
-    ReadRecords,
-    ToBatchContract,
-    make_batch_iterator,
-)
+from input_pipeline.pipeline import FEATURES, ReadRecords, make_batch_iterator, padded_batches
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord
@@ -55,13 +49,12 @@ def records(dataset):
 
 
 def old_chain(records, seq_len, batch_size):
-    """The concat branch before this packer: ConcatThenSplit -> contract -> batch -> pad."""
+    """The concat branch before this packer: ConcatThenSplit -> padded batch -> contract."""
     rows = grain.experimental.ConcatThenSplitIterDataset(
         grain.MapDataset.source(records).to_iter_dataset(),
         length_struct={name: seq_len for name in FEATURES},
     )
-    batches = rows.map(ToBatchContract()).batch(batch_size, drop_remainder=False)
-    return list(batches.map(PadBatch(batch_size)))
+    return list(padded_batches(rows, batch_size))
 
 
 def packed(elements, seq_len, batch_size):
@@ -491,13 +484,14 @@ def test_offset_needs_concat_packing_of_arrayrecord(dataset):
 
 
 def test_the_trainer_reads_with_the_configured_bound_and_offset(dataset):
-    """`lm_batches` bounds train and eval rows; the offset moves train rows only (evals
+    """`dataset_sources` bounds train and eval rows; the offset moves train rows only (evals
     compare the same windows every time)."""
-    from trainer.data import lm_batches
+    from trainer.data import dataset_sources
 
     def batches(split, *keys):
         keys = [f"data.path={dataset.path}", "data.seq_len=48", "data.global_batch_size=8", *keys]
-        return take(iter(lm_batches(load_config(None, keys), dataset, split)), 3)
+        sources = dataset_sources(load_config(None, keys).data, seed=0)
+        return take(iter(sources.train if split == "train" else sources.make_eval()), 3)
 
     plain = batches("train", "data.max_docs_per_row=1")
     moved = batches("train", "data.max_docs_per_row=1", "data.concat_offset=random_per_epoch")

@@ -16,10 +16,11 @@ from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
 from trainer.parallel.pipeline import bubble_fraction
-from trainer.parallel.program import build_program
-from trainer.train import builder_for_vocab, run
+from trainer.program import build_program
+from trainer.train import run
 
 FOUR_LAYERS = [*SMALL, "model.num_layers=4", "precision.compute=float32"]
 
@@ -27,11 +28,13 @@ FOUR_LAYERS = [*SMALL, "model.num_layers=4", "precision.compute=float32"]
 def program_for(mesh_shape, overrides=()):
     """A program on the first stage*data*fsdp*tensor devices."""
     config = load_config(None, [*FOUR_LAYERS, *overrides])
-    mesh = config.mesh
-    mesh.stage, mesh.data, mesh.fsdp, mesh.tensor = mesh_shape
+    stage, data, fsdp, tensor = mesh_shape
+    config = config.derive(
+        {"mesh.stage": stage, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
+    )
     devices = jax.devices()[: int(np.prod(mesh_shape))]
     return build_program(
-        config, sharding.make_mesh(mesh, devices), builder_for_vocab(config, VOCAB)
+        config, sharding.make_mesh(config.mesh, devices), builder_for_vocab(config, VOCAB)
     )
 
 

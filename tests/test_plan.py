@@ -16,14 +16,14 @@ from trainer import plan
 from trainer.config import load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
+from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
 from trainer.plan import Target, gpu_target, main, measure, step_shape
 from trainer.plan.changes import changes, knob_steps
 from trainer.plan.cost import added_seconds
 from trainer.plan.gpu import GPUS, GpuPlanError
 from trainer.plan.report import CPU_ERROR, format_bytes, parse_size, verdict
-from trainer.train import builder_for_vocab
+from trainer.program import build_program
 
 TINY = "configs/tiny.yaml"
 

@@ -130,8 +130,8 @@ def test_checksum_mismatch_is_caught_when_a_run_loads_the_data(damaged):
     copy, shard = damaged
     config = load_config(None, [f"data.path={copy}"])
     with pytest.raises(DataError, match=rf"{shard.name} does not match the checksum"):
-        load_dataset(config)
-    load_dataset(load_config(None, [f"data.path={copy}", "data.verify_checksums=false"]))
+        load_dataset(config.data)
+    load_dataset(load_config(None, [f"data.path={copy}", "data.verify_checksums=false"]).data)
 
 
 @pytest.mark.slow

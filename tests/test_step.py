@@ -12,7 +12,7 @@ from input_pipeline.device import DeviceFeed
 from trainer.config import load_config
 from trainer.models import build_model
 from trainer.parallel import sharding
-from trainer.parallel.program import build_program
+from trainer.program import build_program
 
 SMALL = [
     "model.num_layers=2",
@@ -58,7 +58,7 @@ def random_batches(n, batch=16, length=32, seed=0):
 def program_for(mesh_shape, overrides=()):
     config = load_config(None, [*SMALL, *overrides])
     data, fsdp, tensor = mesh_shape
-    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = data, fsdp, tensor
+    config = config.derive({"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
     devices = jax.devices()[: data * fsdp * tensor]
     mesh = sharding.make_mesh(config.mesh, devices)
     build = functools.partial(

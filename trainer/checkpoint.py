@@ -29,10 +29,6 @@ from trainer.parallel.state import TrainState
 T = TypeVar("T")
 
 
-class DamagedCheckpointError(Exception):
-    """A step folder that is incomplete in a way Orbax itself does not notice."""
-
-
 def _train_part(state: TrainState) -> dict[str, Any]:
     """Everything but the parameters, saved as its own item so `params` restores alone."""
     part = {"step": state.step, "model_state": state.model_state, "opt_state": state.opt_state}
@@ -73,7 +69,11 @@ class Checkpointer:
         if not clean:
             options = dataclasses.replace(options, cleanup_tmp_directories=False)
         with _quiet_orbax():  # it logs each unreadable step metadata file it lists
-            return ocp.CheckpointManager(self.directory, options=options)
+            return ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                handler_registry=data_checkpointing.handler_registry(),
+            )
 
     @classmethod
     def open_existing(cls, path: str | Path) -> tuple[Checkpointer, int]:
@@ -262,9 +262,7 @@ class Checkpointer:
         """The config the run saved with `step`, its vocabulary filled in: the model to rebuild
         (export, generate)."""
         meta = self.read_meta(step)
-        config = config_from_dict(meta["config"])
-        config.model.vocab_size = meta["vocab_size"]
-        return config
+        return config_from_dict(meta["config"]).derive({"model.vocab_size": meta["vocab_size"]})
 
     def require_step(self, step: int | None) -> None:
         """A step the caller asked for by number must have been saved (None: any)."""
@@ -293,11 +291,8 @@ class Checkpointer:
             opt_state=train["opt_state"],
             loss_scale=train.get("loss_scale"),
         )
-        data_folder = self.directory / str(step) / "data"
-        if not any(data_folder.glob("process_*-of-*.json")):  # Grain's handler wrote none
-            raise DamagedCheckpointError("its data/ item holds no data position")
         data_state = data_checkpointing.restore_position(
-            data_folder, jax.process_index(), jax.process_count()
+            self.directory / str(step) / "data", jax.process_index(), jax.process_count()
         )
         return state, data_state
 

@@ -15,9 +15,9 @@ from trainer.errors import ConfigError
 
 
 class _Section(BaseModel):
-    """Strict section: unknown keys are errors, assignments are validated too."""
+    """Strict, read-only section: unknown keys are errors; variants come from `Config.derive`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class RunConfig(_Section):
@@ -340,7 +340,7 @@ class Config(_Section):
                 f"use e.g. {stages * -(-microbatches // stages)} (outside the pipeline each "
                 "stage holds its own share of every microbatch's rows)"
             )
-        if self.model.kind == "transformer" and self.model.num_layers % stages:
+        if self.model.num_layers % stages:  # a model without stages is refused when built
             raise ValueError(
                 f"model.num_layers={self.model.num_layers} does not split into mesh.stage="
                 f"{stages} equal stages; use a stage count that divides the layer count"
@@ -350,6 +350,13 @@ class Config(_Section):
     def pipeline_microbatches(self) -> int:
         """Microbatches per pipelined batch: `pipeline.microbatches`, default 2 x stages."""
         return self.pipeline.microbatches or 2 * self.mesh.stage
+
+    def derive(self, changes: dict[str, Any]) -> Config:
+        """A copy with dotted `changes` (`{"mesh.stage": 1}`), validated as overrides are."""
+        tree = self.model_dump(by_alias=True)
+        for key, value in changes.items():
+            _set_dotted(tree, key, value)
+        return _validated(tree)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict with the YAML spelling of every key (e.g. `checkpoint.async`)."""
@@ -376,7 +383,10 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     """Validate a nested dict (e.g. a saved `config.yaml`) into a `Config`."""
     from trainer.hf.config import fill_model_section
 
-    tree = fill_model_section(tree)  # init_from=hf:PATH: unset model.* from its config.json
+    return _validated(fill_model_section(tree))  # init_from=hf:PATH: model.* from config.json
+
+
+def _validated(tree: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(tree)
     except pydantic.ValidationError as err:
@@ -403,6 +413,10 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {override!r} is not section.key=value; e.g. optim.lr=1e-3")
+    _set_dotted(tree, key, yaml.safe_load(raw) if raw.strip() else None)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
     for part in parts[:-1]:
@@ -410,7 +424,7 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {key}: {part} is a value, not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    node[parts[-1]] = value
 
 
 def _valid_keys(section: type[BaseModel]) -> list[str]:

@@ -1,9 +1,18 @@
-"""Where a run's batches come from: the configured prepared dataset (`data.*`), or whatever a
-library user hands to `trainer.run(config, data=...)` — a Grain dataset or any iterable of batch
-dicts of numpy arrays with a leading batch axis (this host's rows)."""
+"""Where a run's batches come from: the configured prepared datasets (`data.mixture`, or
+`data.path` as a mixture of one), or whatever a library user hands to `trainer.run(config,
+data=...)` — a Grain dataset or any iterable of batch dicts of numpy arrays with a leading batch
+axis (this host's rows).
+
+Each data stream (`input_pipeline.streams`) draws its rows from one packed iterator per source
+(`input_pipeline.mixture`), so every source keeps the stream contract: the same batches on any
+process count, and a checkpointed position that resumes exactly. Each source of a mixture is
+also evaluated on its own held-out split.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -15,15 +24,18 @@ import jax
 
 from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
-from input_pipeline.device import row_feeders
 from input_pipeline.errors import DataError
+from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
 from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, available_memory, count_skipped, memory_needed
 from input_pipeline.streams import StreamBatches
-from trainer.config import Config
+from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
-from trainer.parallel.sharding import batch_sharding, make_mesh
+
+# This process's place among the processes that feed distinct rows of a batch, and their count
+# (`input_pipeline.device.row_feeders`, computed once per run from its mesh).
+Feeders = tuple[int, int]
 
 
 @dataclass
@@ -41,18 +53,23 @@ class DataSources:
     # from the data position of a step (`tokens_<name>`)
     make_evals: dict[str, tuple[float, Callable[[], Iterable[dict[str, Any]]]]] | None = None
     source_tokens: Callable[[Any], dict[str, float]] | None = None
+    feeders: int = 1  # processes feeding distinct rows: a batch's global row count is theirs
 
 
-def row_feeder(config: Config) -> tuple[int, int]:
-    """This process's place among the processes that feed distinct rows of the configured mesh's
-    batches, and their count: the process count, unless pipeline stages span hosts (then the
-    hosts of one row block feed the same rows; `input_pipeline.device.row_feeders`)."""
-    return row_feeders(batch_sharding(make_mesh(config.mesh)))
+@dataclass(frozen=True)
+class Source:
+    """One prepared dataset of the run: its name in metrics, its weight, and its splits held in
+    RAM (`data.cache=memory`)."""
+
+    name: str
+    weight: float
+    info: DatasetInfo
+    in_memory: dict[str, MemorySource]
 
 
-def stream_count(config: Config) -> int:
+def stream_count(data: DataConfig, feeders: Feeders) -> int:
     """`data.streams`, or one stream per row feeder (kept on resume, see `StreamBatches`)."""
-    return config.data.streams or row_feeder(config)[1]
+    return data.streams or feeders[1]
 
 
 def check_batch_layout(
@@ -97,118 +114,165 @@ def check_batch_layout(
         )
 
 
-def check_config_batch_layout(config: Config, batch_shards: int, streams: int = 1) -> None:
-    """`check_batch_layout` for `config`'s global batch, accumulation and pipeline microbatches
-    (the run and `trainer.plan` check the same cuts)."""
-    check_batch_layout(
-        config.data.global_batch_size,
-        config.optim.accum_steps,
-        batch_shards,
-        streams,
-        microbatches=config.pipeline_microbatches if config.mesh.stage > 1 else 1,
+def skip_log_path(workdir: str | Path) -> Path:
+    """Where this host's pipeline lists the records `data.skip_corrupt` dropped."""
+    return Path(workdir) / f"skipped_records.{jax.process_index()}.jsonl"
+
+
+def dataset_sources(
+    data: DataConfig, *, seed: int, skip_log: Path | None = None, feeders: Feeders = (0, 1)
+) -> DataSources:
+    """The configured datasets' train batches (this process's rows as feeder `feeders`), their
+    eval data, and what checkpoints record about them; unreadable records are listed in
+    `skip_log`."""
+    reading = Reading(
+        shuffle=data.shuffle,
+        seed=seed,
+        read_threads=data.read_threads,
+        workers=data.workers,
+        skip_corrupt=data.skip_corrupt,
+        skip_log=skip_log,
+        reader=data.reader,
+    )
+    sources = load_sources(data, reading)
+    train = stream_batches(data, sources, "train", reading, feeders)
+
+    def eval_of(source: Source) -> Callable[[], StreamBatches]:
+        # as many streams as training uses, which a resumed run may take from its checkpoint
+        return lambda: stream_batches(data, [source], "eval", reading, feeders, train.streams)
+
+    evals = {s.name: (s.weight, eval_of(s)) for s in sources if "eval" in s.info.raw["splits"]}
+    mixture = len(sources) > 1  # one source: no per-source metrics
+    description, fingerprint = identity(sources)
+    return DataSources(
+        train=train,
+        make_eval=next((make for _, make in evals.values()), None),  # none: no evals
+        description=description,
+        fingerprint=fingerprint,
+        vocab_size=sources[0].info.vocab_size,
+        skipped_records=None if skip_log is None else lambda: count_skipped(skip_log),
+        make_evals=evals if mixture else None,
+        source_tokens=tokens_by_source if mixture else None,
+        feeders=feeders[1],
     )
 
 
-def load_dataset(config: Config, path: str | None = None) -> DatasetInfo:
+def stream_batches(
+    data: DataConfig,
+    sources: list[Source],
+    split: str,
+    reading: Reading,
+    feeders: Feeders,
+    streams: int | None = None,
+) -> StreamBatches:
+    """This process's rows of every global batch of `split`, each stream mixing its rows from
+    `sources` by weight, read as `streams` streams (default `stream_count`); `reading` is the
+    train pass's, an eval pass reads each record once, in order."""
+    training = split == "train"
+    if not training:
+        reading = replace(reading, shuffle=False, num_epochs=1, workers=0)
+    weights = {s.name: s.weight for s in sources}
+
+    def open_stream(index: int, count: int):
+        # `count` may come from a checkpoint, so it is checked here and not only at setup
+        check_batch_layout(data.global_batch_size, 1, streams=count)
+        rows = data.global_batch_size // count
+        iterators = {
+            s.name: make_batch_iterator(
+                s.info,
+                split,
+                seq_len=data.seq_len,
+                batch_size=rows_per_read(s.weight / sum(weights.values()), rows),
+                packing=data.packing,
+                reading=replace(reading, process_index=index, process_count=count),
+                source=s.in_memory.get(split),
+                max_docs_per_row=data.resolved_max_docs_per_row,
+                concat_offset=data.concat_offset if training else "none",
+            )
+            for s in sources
+        }
+        return mixed(iterators, weights, rows)
+
+    return StreamBatches(
+        open_stream,
+        streams or stream_count(data, feeders),
+        *feeders,
+        pinned=data.streams is not None,
+        pad_exhausted=not training,
+    )
+
+
+def identity(sources: list[Source]) -> tuple[str, str]:
+    """What run lines and checkpoints call the data: a dataset its folder and content hash, a
+    mixture its weights and a hash of its sources."""
+    if len(sources) == 1:
+        return str(sources[0].info.path), sources[0].info.fingerprint
+    spec = [(s.name, s.weight, s.info.fingerprint) for s in sources]
+    return (
+        "mixture " + ", ".join(f"{s.name}={s.weight:g}" for s in sources),
+        hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16],
+    )
+
+
+def load_sources(data: DataConfig, reading: Reading) -> list[Source]:
+    """`data.mixture`'s datasets, or `data.path` alone, loaded and checked: distinct names, one
+    tokenizer, and with `data.cache=memory` every split in RAM."""
+    entries = data.mixture or [MixtureSource(path=data.path, weight=1.0)]
+    names = [e.name or Path(e.path).name for e in entries]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(
+                f"data.mixture has two sources named {name!r}; give each a distinct `name`"
+            )
+    infos = {name: load_dataset(data, e.path) for name, e in zip(names, entries, strict=True)}
+    check_same_tokenizer(infos)
+    caches = memory_caches(data, infos, reading)
+    return [
+        Source(name, e.weight, infos[name], caches[name])
+        for name, e in zip(names, entries, strict=True)
+    ]
+
+
+def load_dataset(data: DataConfig, path: str | None = None) -> DatasetInfo:
     """The prepared dataset folder `path` (default `data.path`; built-in corpora are prepared on
     first use), its shards checked against their recorded checksums unless
     `data.verify_checksums` is off."""
-    info = load_dataset_info(resolve_dataset(path or config.data.path, config.data.cache_dir))
-    if config.data.verify_checksums:
+    info = load_dataset_info(resolve_dataset(path or data.path, data.cache_dir))
+    if data.verify_checksums:
         try:
             info.verify_checksums()
         except DataError as err:
-            if not config.data.skip_corrupt:
+            if not data.skip_corrupt:
                 raise
             print(f"warning: {err}; reading on since data.skip_corrupt=true", file=sys.stderr)
     return info
 
 
-def lm_batches(
-    config: Config,
-    info: DatasetInfo,
-    split: str,
-    streams: int | None = None,
-    cache: MemorySource | None = None,
-) -> StreamBatches:
-    """This host's rows of every packed global batch of a prepared dataset split, read as
-    `streams` streams (default `stream_count(config)`), from `cache` when it is in RAM."""
-    training = split == "train"
-    reading = reading_for(config, training)
-
-    def open_stream(index: int, count: int):
-        # `count` may come from a checkpoint, so it is checked here and not only at setup
-        check_batch_layout(config.data.global_batch_size, 1, streams=count)
-        return make_batch_iterator(
-            info,
-            split,
-            seq_len=config.data.seq_len,
-            batch_size=config.data.global_batch_size // count,
-            packing=config.data.packing,
-            reading=replace(reading, process_index=index, process_count=count),
-            source=cache,
-            max_docs_per_row=config.data.resolved_max_docs_per_row,
-            concat_offset=config.data.concat_offset if training else "none",
-        )
-
-    return StreamBatches(
-        open_stream,
-        streams or stream_count(config),
-        *row_feeder(config),
-        pinned=config.data.streams is not None,
-        pad_exhausted=not training,
-    )
+def check_same_tokenizer(infos: dict[str, DatasetInfo]) -> None:
+    """Sources of one model must agree on what a token id means."""
+    (first, first_info), *rest = infos.items()
+    for name, info in rest:
+        if info.tokenizer != first_info.tokenizer or info.token_dtype != first_info.token_dtype:
+            raise ConfigError(
+                f"data.mixture sources {first!r} ({_describe(first_info)}) and {name!r} "
+                f"({_describe(info)}) use different tokenizers; prepare every source with the "
+                "same --tokenizer"
+            )
 
 
-def reading_for(config: Config, training: bool) -> Reading:
-    """How the train (or an eval) pass of a configured dataset reads its records."""
-    return Reading(
-        shuffle=config.data.shuffle and training,
-        seed=config.run.seed,
-        num_epochs=None if training else 1,
-        read_threads=config.data.read_threads,
-        workers=config.data.workers if training else 0,
-        skip_corrupt=config.data.skip_corrupt,
-        skip_log=skip_log_path(config),
-        reader=config.data.reader,
-    )
-
-
-def skip_log_path(config: Config) -> Path:
-    """Where this host's pipeline lists the records `data.skip_corrupt` dropped."""
-    return Path(config.run.workdir) / f"skipped_records.{jax.process_index()}.jsonl"
-
-
-def dataset_sources(config: Config) -> DataSources:
-    if config.data.mixture:
-        from trainer.mixture import mixture_sources
-
-        return mixture_sources(config)
-    info = load_dataset(config)
-    caches = memory_caches(config, {"data.path": info})["data.path"]
-    train = lm_batches(config, info, "train", cache=caches.get("train"))
-
-    def make_eval() -> StreamBatches:
-        # as many streams as training uses, which a resumed run may take from its checkpoint
-        return lm_batches(config, info, "eval", train.streams, caches.get("eval"))
-
-    return DataSources(
-        train=train,
-        make_eval=make_eval if "eval" in info.raw["splits"] else None,  # none: no evals
-        description=str(info.path),
-        fingerprint=info.fingerprint,
-        vocab_size=info.vocab_size,
-        skipped_records=lambda: count_skipped(skip_log_path(config)),
-    )
+def _describe(info: DatasetInfo) -> str:
+    tok = info.tokenizer
+    digest = f" {tok['sha256'][:8]}" if "sha256" in tok else ""
+    return f"{tok.get('kind')} vocab {tok.get('vocab_size', info.vocab_size)}{digest}"
 
 
 def memory_caches(
-    config: Config, infos: dict[str, DatasetInfo]
+    data: DataConfig, infos: dict[str, DatasetInfo], reading: Reading
 ) -> dict[str, dict[str, MemorySource]]:
     """With `data.cache=memory`, every split of every dataset read into RAM (checksums were
     verified by `load_dataset`); a one-line error first when they do not fit in the memory this
     host has available."""
-    if config.data.cache != "memory":
+    if data.cache != "memory":
         return {name: {} for name in infos}
     sizes = [
         memory_needed(info.num_records(split), info.num_tokens(split), info.token_dtype)
@@ -223,16 +287,16 @@ def memory_caches(
             f"{', '.join(str(i.path) for i in infos.values())} but this host has "
             f"{available / 2**30:.2f} GiB available; use data.cache=none"
         )
-    reading = reading_for(config, training=False)
     return {
         name: {split: memory_source(info, split, reading) for split in info.raw["splits"]}
         for name, info in infos.items()
     }
 
 
-def user_sources(data: Any, eval_data: Any = None) -> DataSources:
-    """Batches a caller brings. `eval_data` must be re-iterable (a list, a Grain dataset) or a
-    zero-argument callable returning a fresh iterable, since every eval starts from its top."""
+def user_sources(data: Any, eval_data: Any = None, *, feeders: Feeders = (0, 1)) -> DataSources:
+    """Batches a caller brings (this process's rows as feeder `feeders`). `eval_data` must be
+    re-iterable (a list, a Grain dataset) or a zero-argument callable returning a fresh
+    iterable, since every eval starts from its top."""
     fixed = eval_data is None or callable(eval_data)
     make_eval = eval_data if fixed else lambda: eval_data
     return DataSources(
@@ -240,4 +304,5 @@ def user_sources(data: Any, eval_data: Any = None) -> DataSources:
         make_eval=make_eval,
         description=type(data).__name__,
         fingerprint=f"user:{type(data).__name__}",
+        feeders=feeders[1],
     )

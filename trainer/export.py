@@ -4,15 +4,20 @@ parameters-only checkpoint that plain Orbax reads without this project's code:
     import orbax.checkpoint as ocp
     params = ocp.StandardCheckpointer().restore(DIR)   # nested dict of arrays
 
-With `--format hf`, DIR is a Hugging Face Llama folder (config.json, safetensors, tokenizer) that
-`transformers.LlamaForCausalLM.from_pretrained(DIR)` loads.
+With `--format hf`, DIR is a Hugging Face Llama folder (config.json, safetensors, and the
+tokenizer the dataset was prepared with: `tokenizer.json` for `hf`, `tokenizer.model` for
+SentencePiece; byte-level data has none) that `transformers.LlamaForCausalLM.from_pretrained(DIR)`
+loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,31 +25,41 @@ import orbax.checkpoint as ocp
 
 from input_pipeline.errors import DataError
 from trainer.checkpoint import Checkpointer
+from trainer.config import Config
 from trainer.errors import ConfigError, TrainingError
+from trainer.generate import run_tokenizer
+from trainer.hf.config import CONFIG_FILE
+from trainer.models import abstract_params, model_spec
+from trainer.models.spec import HfAdapter
+from trainer.parallel import sharding
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def export_params(
     workdir: str | Path, out: str | Path, step: int | None = None, format: str = "orbax"
 ) -> Path:
     """Read the run's own saved config and checkpoint; write host numpy params to `out` (or, with
-    `format="hf"`, a Hugging Face Llama folder: `trainer/hf/export.py`)."""
+    `format="hf"`, a Hugging Face Llama folder)."""
     checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
-        restored, params = checkpointer.restore_chosen(
+        _, (config, params) = checkpointer.restore_chosen(
             step,
             lambda step: _restore_params(checkpointer, step),
             advice="repair it, or export another --step",
         )
-        meta = checkpointer.read_meta(restored)
     finally:
         checkpointer.close()
     out = Path(out).absolute()
     if out.exists():
         raise TrainingError(f"{out} already exists; choose a new --out folder")
     if format == "hf":
-        from trainer.hf.export import write_hf_folder
-
-        return write_hf_folder(out, params, meta)
+        adapter = model_spec(config.model.kind).hf
+        if adapter is None:
+            raise TrainingError(
+                f"--format hf exports the built-in transformer, not model.kind={config.model.kind}"
+            )
+        return write_hf_folder(out, params, config, adapter)
     host_params = jax.tree.map(np.asarray, params)
     checkpointer_out = ocp.StandardCheckpointer()
     checkpointer_out.save(out, host_params)
@@ -52,20 +67,42 @@ def export_params(
     return out
 
 
-def _restore_params(checkpointer: Checkpointer, step: int):
-    """The parameters of `step`, shaped by the model config saved with it."""
-    return checkpointer.restore_params(step, _abstract_params(checkpointer.run_config(step)))
+def _restore_params(checkpointer: Checkpointer, step: int) -> tuple[Config, Any]:
+    """The config saved with `step`, and its parameters laid out on this machine's devices."""
+    saved = checkpointer.run_config(step)
+    config = saved.derive({"mesh.stage": 1, "mesh.data": -1, "mesh.fsdp": 1, "mesh.tensor": 1})
+    _, target = abstract_params(config, sharding.make_mesh(config.mesh))
+    return saved, checkpointer.restore_params(step, target)
 
 
-def _abstract_params(config):
-    """Parameter shapes of the saved run's model, laid out on this machine's devices."""
-    from trainer.parallel import sharding
-    from trainer.parallel.program import build_program
-    from trainer.train import builder_for_vocab
+def write_hf_folder(out: Path, params: Any, config: Config, adapter: HfAdapter) -> Path:
+    """`out` (new) holding `config`'s model (its `model.vocab_size` set) with `params`."""
+    out.mkdir(parents=True)
+    hf = adapter.config_json(config.model, config.model.vocab_size, config.precision.params)
+    adapter.save_weights(params, out)
+    hf.update(_copy_tokenizer(config, out))
+    (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    return out
 
-    config.mesh.stage, config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1, 1
-    mesh = sharding.make_mesh(config.mesh)
-    return build_program(config, mesh, builder_for_vocab(config)).abstract_state().params
+
+def _copy_tokenizer(config: Config, out: Path) -> dict[str, Any]:
+    """The dataset's tokenizer files copied into `out`; returns the special ids they name."""
+    tokenizer = run_tokenizer(config)
+    model_file = getattr(tokenizer, "model_file", None)
+    if model_file is None:
+        print(
+            "warning: no tokenizer written (byte-level data, or the dataset folder is gone)",
+            file=sys.stderr,
+        )
+        return {}
+    for name in TOKENIZER_FILES:
+        if (Path(model_file).parent / name).is_file():
+            shutil.copyfile(Path(model_file).parent / name, out / name)
+    ids = {
+        "bos_token_id": getattr(tokenizer, "bos_id", None),
+        "eos_token_id": getattr(tokenizer, "eos_id", None),
+    }
+    return {key: value for key, value in ids.items() if value is not None}
 
 
 def main(argv: list[str] | None = None) -> int:

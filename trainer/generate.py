@@ -11,10 +11,10 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +23,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer.config import Config
-from trainer.models.decode import KVCache, decode
-from trainer.models.transformer import Transformer
-
-if TYPE_CHECKING:  # imported where used: Orbax loads only when a checkpoint is read
-    from trainer.checkpoint import Checkpointer
+from trainer.models.spec import Decoder
 
 
 @dataclass
 class Generator:
-    """A built-in transformer sharded on `mesh`, and the tokenizer its data used (if known)."""
+    """A model with a decoder, sharded on `mesh`, and the tokenizer its data used (if known)."""
 
-    model: Transformer
+    model: nnx.Module | None  # None: a template whose model each use fills in (`replace`)
+    decoder: Decoder
     mesh: jax.sharding.Mesh
     tokenizer: Any = None
     eos_id: int | None = None
@@ -55,7 +52,7 @@ class Generator:
             raise ConfigError("generation needs a prompt of at least one token and 1+ new tokens")
         graphdef, state = nnx.split(self.model)
         settings = (max_new_tokens, float(temperature), top_k, float(top_p))
-        run = _compiled(graphdef, self.mesh, *settings)
+        run = _compiled(graphdef, self.decoder, self.mesh, *settings)
         prompt_1xP = jnp.asarray([list(prompt_ids)], jnp.int32)
         with jax.set_mesh(self.mesh):
             ids = np.asarray(run(state, prompt_1xP, jax.random.key(seed)))[0]
@@ -89,15 +86,17 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k, top
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(graphdef, mesh, max_new_tokens: int, temperature: float, top_k, top_p: float):
+def _compiled(
+    graphdef, decoder: Decoder, mesh, max_new_tokens: int, temperature: float, top_k, top_p: float
+):
     """Prefill then a `fori_loop` of one-token decode steps, jitted once per settings; the
     tokens come back replicated, readable on every host."""
 
     def run(state, prompt_BxP, key):
         model = nnx.merge(graphdef, state)
         B, P = prompt_BxP.shape
-        cache = KVCache.empty(model, B, P + max_new_tokens)
-        logits_BxPxV, cache = decode(model, prompt_BxP, jnp.int32(0), cache)
+        cache = decoder.empty_cache(model, B, P + max_new_tokens)
+        logits_BxPxV, cache = decoder.decode(model, prompt_BxP, jnp.int32(0), cache)
         key, now = jax.random.split(key)
         out_BxN = jnp.zeros((B, max_new_tokens), jnp.int32)
         out_BxN = out_BxN.at[:, 0].set(sample(logits_BxPxV[:, -1], now, temperature, top_k, top_p))
@@ -105,7 +104,7 @@ def _compiled(graphdef, mesh, max_new_tokens: int, temperature: float, top_k, to
         def step(i, carry):
             out_BxN, cache, key = carry
             last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, i - 1, 1, axis=1)
-            logits_Bx1xV, cache = decode(model, last_Bx1, P + i - 1, cache)
+            logits_Bx1xV, cache = decoder.decode(model, last_Bx1, P + i - 1, cache)
             key, now = jax.random.split(key)
             token_B = sample(logits_Bx1xV[:, -1], now, temperature, top_k, top_p)
             return out_BxN.at[:, i].set(token_B), cache, key
@@ -135,58 +134,45 @@ def load_generator(
     return _load_workdir(source, step, compute, devices)
 
 
-def _generation_mesh(config: Config, devices: Sequence[jax.Device] | None):
-    """Every device on the fsdp axis (weights split along `embed`), as many as divide it."""
+def _load_model(
+    config: Config, compute: str | None, devices, read_params: Callable[[Any], Any]
+) -> Generator:
+    """`config`'s model with the parameters `read_params(restore target)` gives, sharded over
+    every device on the fsdp axis (weights split along `embed`), as many as divide it."""
+    from trainer.errors import ConfigError
+    from trainer.models import abstract_params, model_spec
     from trainer.parallel import sharding
 
+    decoder = model_spec(config.model.kind).decoder
+    if decoder is None:
+        raise ConfigError(f"generation needs model.kind=transformer, not {config.model.kind}")
     devices = list(devices or jax.devices())
     count = math.gcd(len(devices), config.model.d_model)
-    config.mesh.stage, config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, count, 1
-    config.mesh.rules = {}
-    return sharding.make_mesh(config.mesh, devices[:count])
-
-
-def _model_and_target(config: Config, devices):
-    """The mesh, a function building the module from params, and the params' restore target."""
-    from trainer.errors import ConfigError
-    from trainer.parallel import sharding
-    from trainer.parallel.state import abstract_model
-    from trainer.train import builder_for_vocab
-
-    if config.model.kind != "transformer":
-        raise ConfigError(f"generation needs model.kind=transformer, not {config.model.kind}")
-    config.model.dropout = 0.0
-    mesh = _generation_mesh(config, devices)
+    mesh_axes = {"mesh.stage": 1, "mesh.data": 1, "mesh.fsdp": count, "mesh.tensor": 1}
+    compute_dtype = {"precision.compute": compute} if compute else {}
+    config = config.derive({**mesh_axes, "mesh.rules": {}, "model.dropout": 0.0, **compute_dtype})
+    mesh = sharding.make_mesh(config.mesh, devices[:count])
+    skeleton, target = abstract_params(config, mesh)
     with jax.set_mesh(mesh):
-        skeleton, shapes, _ = abstract_model(
-            builder_for_vocab(config), mesh, sharding.resolve_rules({})
-        )
-    target = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        shapes,
-        skeleton.param_shardings,
-    )
-    return mesh, lambda params: skeleton.merge(params, {}), target
+        model = skeleton.merge(read_params(target), {})
+    return Generator(model, decoder, mesh)
 
 
 def _load_hf(folder: str, compute: str | None, devices) -> Generator:
     from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer
     from trainer.config import load_config
     from trainer.hf.config import read_hf_config
-    from trainer.hf.weights import load_hf_params
+    from trainer.models import model_spec
 
-    overrides = [f"checkpoint.init_from=hf:{folder}"]
-    overrides += [f"precision.compute={compute}"] if compute else []
-    config = load_config(None, overrides)
-    mesh, merge, target = _model_and_target(config, devices)
-    with jax.set_mesh(mesh):
-        model = merge(load_hf_params(folder, target))
+    config = load_config(None, [f"checkpoint.init_from=hf:{folder}"])  # model.* of config.json
+    read = functools.partial(model_spec(config.model.kind).hf.load_params, folder)
+    generator = _load_model(config, compute, devices, read)
     tokenizer = None
     if (Path(folder) / HF_TOKENIZER_FILE).is_file():
         tokenizer = HFTokenizer(Path(folder) / HF_TOKENIZER_FILE)
     eos = read_hf_config(folder).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
-    return Generator(model, mesh, tokenizer, eos if eos is not None else _eos(tokenizer))
+    return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer) if eos is None else eos)
 
 
 def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) -> Generator:
@@ -194,28 +180,20 @@ def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) 
     line and skipped, as export and `checkpoint.init_from` do)."""
     from trainer.checkpoint import Checkpointer
 
+    def restore(step: int) -> tuple[Config, Generator]:
+        config = checkpointer.run_config(step)
+        read = functools.partial(checkpointer.restore_params, step)
+        return config, _load_model(config, compute, devices, read)
+
     checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
-        _, (config, model, mesh) = checkpointer.restore_chosen(
-            step,
-            lambda step: _restore_model(checkpointer, step, compute, devices),
-            advice="repair it, or generate from another --step",
+        _, (config, generator) = checkpointer.restore_chosen(
+            step, restore, advice="repair it, or generate from another --step"
         )
     finally:
         checkpointer.close()
     tokenizer = run_tokenizer(config)
-    return Generator(model, mesh, tokenizer, _eos(tokenizer))
-
-
-def _restore_model(checkpointer: Checkpointer, step: int, compute: str | None, devices):
-    """`(config, model, mesh)`: the model of the config saved with `step`, its parameters."""
-    config = checkpointer.run_config(step)
-    if compute:
-        config.precision.compute = compute
-    mesh, merge, target = _model_and_target(config, devices)
-    with jax.set_mesh(mesh):
-        model = merge(checkpointer.restore_params(step, target))
-    return config, model, mesh
+    return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer))
 
 
 def run_tokenizer(config: Config):

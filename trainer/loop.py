@@ -21,13 +21,13 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import Config
 from trainer.data import DataSources
 from trainer.errors import ConfigError, TrainingError
-from trainer.observe.goodput import Goodput, session_summary
+from trainer.observe.goodput import Goodput, format_summary, session_summary, write_summary
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.profiling import ProfileWindow
 from trainer.observe.watchdog import Watchdog
-from trainer.parallel.program import StepMetrics, TrainProgram
 from trainer.parallel.state import TrainState
 from trainer.preemption import StopRequest
+from trainer.program import StepMetrics, TrainProgram
 
 # Steps whose metrics may stay unread after a dispatch: the device runs them while the host
 # prepares the next one. A step's metrics are read once it has finished, or when more than this
@@ -48,7 +48,9 @@ class RunResult:
 def evaluate(config: Config, sources: DataSources, program: TrainProgram, state) -> float:
     """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
     loss_sum, weight = 0.0, 0.0
-    feed = DeviceFeed(iter(sources.make_eval()), program.batch_sharding, config.data.prefetch)
+    feed = DeviceFeed(
+        iter(sources.make_eval()), program.batch_sharding, config.data.prefetch, sources.feeders
+    )
     with feed:
         for i, (batch, _) in enumerate(feed):
             if i >= config.eval.steps:
@@ -120,8 +122,20 @@ class LogWindow:
 
 
 @dataclass
+class Progress:
+    """What the loop counts while it runs: the one part of it that changes."""
+
+    result: RunResult
+    watchdog: Watchdog  # a stuck step ends the process; beaten by every step read
+    skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
+    tokens_seen: float = 0.0  # this session's, for the summary's throughput
+    window: LogWindow = field(default_factory=LogWindow)  # steps since the last metrics line
+
+
+@dataclass
 class Loop:
-    """The step loop and its bookkeeping; one instance per run."""
+    """The step loop's settings and the run's resources; closes the checkpointer and the writer
+    on exit, so that `run` is its setup calls and `with Loop(...) as loop: loop.train(...)`."""
 
     config: Config
     sources: DataSources
@@ -131,30 +145,53 @@ class Loop:
     meta: dict[str, Any]
     flops_per_token: float = 0.0
     peak_tflops: float | None = None  # per device; None when the device kind is unknown
-    skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
-    tokens_seen: float = 0.0  # this session's, for the summary's throughput
-    window: LogWindow = field(default_factory=LogWindow)  # steps since the last metrics line
     goodput: Goodput = field(default_factory=Goodput)  # where the wall time goes
-    watchdog: Watchdog | None = None  # set by `train`: a stuck step ends the process
     sampler: Callable[[int, TrainState], None] | None = None  # eval.sample_prompts
 
-    def train(self, state: TrainState, start_step: int, train_iter) -> RunResult:
-        config, total = self.config, self.config.run.steps
+    def __enter__(self) -> Loop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.checkpointer.close()
+        finally:
+            self.writer.close()
+
+    def train(self, state: TrainState, start_step: int) -> RunResult:
+        """Train from `start_step` to `run.steps` (or a stop request); wait for the saves still
+        being written, and write this session's summary when it trained a step."""
         result = RunResult(state=state, step=start_step)
-        if start_step >= total:
+        if start_step >= self.config.run.steps:
             self.writer.message(
-                f"run already at step {start_step} >= run.steps={total}; raise run.steps to "
-                "train further"
+                f"run already at step {start_step} >= run.steps={self.config.run.steps}; raise "
+                "run.steps to train further"
             )
             return result
+        progress = Progress(result, Watchdog(self.config.run.step_timeout_s))
+        self._steps(state, start_step, progress)
+        with self.goodput.timing("checkpoint"):
+            self.checkpointer.wait()  # saves still being written hold up the end of the run
+        if jax.process_index() == 0 and result.step > start_step:  # else the last one stays
+            summary = self.summary(start_step, progress)
+            self.writer.message(format_summary(summary))
+            if problem := write_summary(Path(self.config.run.workdir), summary):
+                self.writer.message(problem)
+        return result
+
+    def _steps(self, state: TrainState, start_step: int, progress: Progress) -> None:
+        config, total, result = self.config, self.config.run.steps, progress.result
         pending: deque[StepRecord] = deque()  # dispatched, metrics not read yet (oldest first)
-        feed = DeviceFeed(train_iter, self.program.batch_sharding, prefetch=config.data.prefetch)
+        feed = DeviceFeed(
+            self.sources.train,
+            self.program.batch_sharding,
+            config.data.prefetch,
+            self.sources.feeders,
+        )
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
         timing = self.goodput.timing
         train_step = self.program.stepper()
-        self.watchdog = Watchdog(config.run.step_timeout_s)
-        watch = self.watchdog.phase
-        with feed, StopRequest() as stop, profile, self.watchdog:
+        watch = progress.watchdog.phase
+        with feed, StopRequest() as stop, profile, progress.watchdog:
             if total - start_step > config.checkpoint.every:  # a save before the last step
                 with timing("checkpoint"), watch("checkpoint"):
                     self.checkpointer.warm_up(state, self.meta)
@@ -164,7 +201,7 @@ class Loop:
                     # The device runs out of queued steps before the next batch comes: read them
                     # now, so the lines (and the watchdog's last completed step) are current.
                     with timing("step"), watch("step"):
-                        self._read_finished(pending, result, keep=0)
+                        self._read_finished(pending, progress, keep=0)
                 try:
                     with timing("data_wait"), watch("data", step):
                         batch, data_state = next(feed)
@@ -177,7 +214,7 @@ class Loop:
                 with timing("step"), watch("step"):
                     state, metrics = train_step(state, batch)  # runs while we log earlier steps
                     metrics.start_copy()
-                    self._read_finished(pending, result, keep=IN_FLIGHT - 1)
+                    self._read_finished(pending, progress, keep=IN_FLIGHT - 1)
                 profile.after_step(step, metrics)
                 now = time.perf_counter()
                 pending.append(StepRecord(step, metrics, now - tick, feed.last_wait_s, data_state))
@@ -189,7 +226,7 @@ class Loop:
                     # checkpoint can become the resume point (a resume truncates lines after
                     # it), and before an eval's line.
                     with timing("step"), watch("step"):  # waiting for its result: step time
-                        self._read_finished(pending, result, keep=0, last=stop.requested)
+                        self._read_finished(pending, progress, keep=0, last=stop.requested)
                 if evaluating and self.sources.make_eval is not None:
                     with timing("eval"), watch("eval"):
                         losses = evaluate_sources(config, self.sources, self.program, state)
@@ -212,19 +249,18 @@ class Loop:
                 f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
                 f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
             )
-        return result
 
-    def summary(self, start_step: int, result: RunResult) -> dict[str, Any]:
+    def summary(self, start_step: int, progress: Progress) -> dict[str, Any]:
         """This session's goodput breakdown, throughput, MFU and peak memory."""
         return session_summary(
             self.goodput,
             start_step=start_step,
-            end_step=result.step,
-            tokens=self.tokens_seen,
+            end_step=progress.result.step,
+            tokens=progress.tokens_seen,
             flops_per_token=self.flops_per_token,
             peak_tflops=self.peak_tflops,
-            last_metrics=result.last_metrics,
-            eval_loss=result.eval_loss,
+            last_metrics=progress.result.last_metrics,
+            eval_loss=progress.result.eval_loss,
         )
 
     def _check_finite(self, step: int, metrics: dict[str, float]) -> None:
@@ -255,28 +291,27 @@ class Loop:
         )
 
     def _read_finished(
-        self, pending: deque[StepRecord], result: RunResult, keep: int, last: bool = False
+        self, pending: deque[StepRecord], progress: Progress, keep: int, last: bool = False
     ) -> None:
         """Read the pending steps in order while they have finished, and the oldest ones anyway
         until at most `keep` remain; `last` marks the final one read as the run's last."""
         while pending and (len(pending) > keep or pending[0].metrics.is_ready()):
             record = pending.popleft()
-            self._record(record, result, last=last and not pending)
+            self._record(record, progress, last=last and not pending)
 
-    def _record(self, record: StepRecord, result: RunResult, last: bool = False) -> None:
+    def _record(self, record: StepRecord, progress: Progress, last: bool = False) -> None:
         """Read one finished step's metrics; check them; write a line every `log.every` steps,
         at the run's last step, and at a stop (`last`)."""
         step = record.step
         metrics = record.metrics.read()
-        if self.watchdog is not None:
-            self.watchdog.beat(step)
+        progress.watchdog.beat(step)
         self._check_finite(step, metrics)
-        self.skipped_steps += int(metrics.get("skipped", 0.0))
-        self.tokens_seen += metrics["tokens"]
-        self.window.add(record, metrics)
+        progress.skipped_steps += int(metrics.get("skipped", 0.0))
+        progress.tokens_seen += metrics["tokens"]
+        progress.window.add(record, metrics)
         if step % self.config.log.every and step != self.config.run.steps and not last:
             return
-        row = {**self.window.means(), "lr": metrics["lr"], "grad_norm": metrics["grad_norm"]}
+        row = {**progress.window.means(), "lr": metrics["lr"], "grad_norm": metrics["grad_norm"]}
         tflops = row["tokens_per_s"] * self.flops_per_token / jax.device_count() / 1e12
         row["tflops_per_device"] = tflops
         if self.peak_tflops:
@@ -284,12 +319,12 @@ class Loop:
         if "loss_scale" in metrics:
             row["loss_scale"] = metrics["loss_scale"]
         if "skipped" in metrics:
-            row["skipped_steps"] = self.skipped_steps
+            row["skipped_steps"] = progress.skipped_steps
         if self.config.data.skip_corrupt and self.sources.skipped_records is not None:
             row["corrupt_records_skipped"] = self.sources.skipped_records()
         if self.sources.source_tokens is not None:
             row.update(self.sources.source_tokens(record.data_state))
         row.update(self.goodput.metrics())
         self.writer.write(step, row)
-        result.last_metrics = row
-        self.window = LogWindow()  # the next line averages the steps after this one
+        progress.result.last_metrics = row
+        progress.window = LogWindow()  # the next line averages the steps after this one

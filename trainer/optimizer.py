@@ -13,24 +13,16 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     """Warmup from 0 to `lr`, then cosine/linear decay to `min_lr` over `decay_steps`."""
     decay_steps = config.decay_steps or total_steps
     warmup = min(config.warmup_steps, max(decay_steps - 1, 0))
-    if config.schedule == "constant":
-        return optax.join_schedules(
-            [
-                optax.linear_schedule(0.0, config.lr, max(warmup, 1)),
-                optax.constant_schedule(config.lr),
-            ],
-            [warmup],
-        )
     if config.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
             0.0, config.lr, warmup, max(decay_steps, warmup + 1), end_value=config.min_lr
         )
+    if config.schedule == "constant":
+        after = optax.constant_schedule(config.lr)
+    else:
+        after = optax.linear_schedule(config.lr, config.min_lr, max(decay_steps - warmup, 1))
     return optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, config.lr, max(warmup, 1)),
-            optax.linear_schedule(config.lr, config.min_lr, max(decay_steps - warmup, 1)),
-        ],
-        [warmup],
+        [optax.linear_schedule(0.0, config.lr, max(warmup, 1)), after], [warmup]
     )
 
 
@@ -46,6 +38,7 @@ def decay_mask(logical_specs) -> object:
 def make_optimizer(
     config: OptimConfig, total_steps: int, mask=None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer, and its schedule apart: the step reports the learning rate."""
     schedule = make_schedule(config, total_steps)
     parts = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
     parts.append(

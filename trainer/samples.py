@@ -5,6 +5,7 @@ trained (the KV-cache decoder of `trainer/generate.py`), on the console, in
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import jax
 
 from trainer.config import Config
 from trainer.generate import Generator, run_tokenizer
+from trainer.models import abstract_params
+from trainer.models.spec import Decoder
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel.offload import to_device_memory
 from trainer.parallel.state import TrainState
@@ -23,19 +26,16 @@ class Sampler:
     """Continues `eval.sample_prompts` from a train state; every process runs it (the decode is
     one SPMD program over the sharded parameters), the first one writes."""
 
-    def __init__(self, config: Config, merge: Any, mesh: jax.sharding.Mesh, writer: MetricsWriter):
+    def __init__(self, config: Config, merge: Any, generator: Generator, writer: MetricsWriter):
         self.prompts = list(config.eval.sample_prompts)
         self.tokens = config.eval.sample_tokens
-        self.merge, self.mesh, self.writer = merge, mesh, writer
+        self.merge, self.generator, self.writer = merge, generator, writer
         self.path = Path(config.run.workdir) / SAMPLES_FILE
-        self.tokenizer = run_tokenizer(config)
 
     def __call__(self, step: int, state: TrainState) -> None:
         # offloaded parameters (model.offload_params) decode from a copy in device memory
         model = self.merge(to_device_memory(state.params), state.model_state)
-        generator = Generator(
-            model, self.mesh, self.tokenizer, getattr(self.tokenizer, "eos_id", None)
-        )
+        generator = replace(self.generator, model=model)
         for index, prompt in enumerate(self.prompts):
             text = generator.complete(prompt, max_new_tokens=self.tokens, temperature=0.0)
             self.writer.message(f"sample {step}: {prompt!r} -> {text!r}")
@@ -46,21 +46,23 @@ class Sampler:
 
 
 def make_sampler(
-    config: Config, build: Any, mesh: jax.sharding.Mesh, writer: MetricsWriter, builtin: bool
+    config: Config,
+    decoder: Decoder | None,
+    mesh: jax.sharding.Mesh,
+    writer: MetricsWriter,
+    vocab_size: int | None,
 ) -> Sampler | None:
-    """A sampler when prompts are set, the model is the built-in transformer and the dataset's
-    tokenizer can be read; otherwise None (with a line saying why, if prompts were set)."""
+    """A sampler when prompts are set, the model has a `decoder` and the dataset's tokenizer can
+    be read; otherwise None (with a line saying why, if prompts were set)."""
     if not config.eval.sample_prompts:
         return None
-    if not builtin:
+    if decoder is None:
         writer.message("eval.sample_prompts needs the built-in transformer; not sampling")
         return None
-    if run_tokenizer(config) is None:
+    tokenizer = run_tokenizer(config)
+    if tokenizer is None:
         writer.message("eval.sample_prompts: the dataset has no readable tokenizer; not sampling")
         return None
-    from trainer.parallel import sharding
-    from trainer.parallel.state import abstract_model
-
-    with jax.set_mesh(mesh):
-        skeleton, _, _ = abstract_model(build, mesh, sharding.resolve_rules(config.mesh.rules))
-    return Sampler(config, skeleton.merge, mesh, writer)
+    skeleton, _ = abstract_params(config, mesh, vocab_size)
+    generator = Generator(None, decoder, mesh, tokenizer, getattr(tokenizer, "eos_id", None))
+    return Sampler(config, skeleton.merge, generator, writer)

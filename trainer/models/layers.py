@@ -1,19 +1,83 @@
-"""Building blocks of the built-in transformer; each names its parameter axes logically."""
+"""Building blocks of the built-in transformer, and the spec (shape and numerics) they are built
+from; each names its parameter axes logically."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.models.attention import attention_dtype, check_requested
+from trainer.config import ModelConfig
+from trainer.models.attention import attention_dtype, check_requested, device_facts
 from trainer.models.kernels import DocumentSpans, attend, document_spans, rows_whole
-from trainer.models.rope import RopeScaling, scale_frequencies
+from trainer.models.matmul import linear_dot_general
+from trainer.models.rope import RopeScaling, freeze_scaling, scale_frequencies
+from trainer.parallel.pipeline import PipelineSpec
 
-if TYPE_CHECKING:
-    from trainer.models.transformer import TransformerSpec
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """Shape and numerics of the built-in model (filled from `ModelConfig` by its factory)."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    d_model: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    remat: str = "none"
+    scan_layers: bool = True
+    attention: str = "auto"
+    compute_dtype: jnp.dtype = jnp.bfloat16
+    param_dtype: jnp.dtype = jnp.float32
+    norm_eps: float = 1e-6
+    head_dim: int | None = None  # None: d_model // num_heads (filled in by __post_init__)
+    rope_scaling: RopeScaling | None = None
+    pipeline: PipelineSpec | None = None  # layers split into stages over the `stage` mesh axis
+    # the most documents a packed row holds (`data.max_docs_per_row`, kept by the packers);
+    # None: unknown, so no kernel that needs the bound (cuDNN packed documents) is chosen
+    max_docs_per_row: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+
+    @property
+    def dot_general(self):
+        """The matmul of every dense layer, picked for this backend (`models/matmul.py`)."""
+        return linear_dot_general(device_facts()[0])
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        vocab_size: int,
+        compute_dtype,
+        param_dtype,
+        pipeline: PipelineSpec | None = None,
+        max_docs_per_row: int | None = None,
+    ) -> TransformerSpec:
+        """The shape and numerics `model.*` describes (custom blocks reuse it too)."""
+        same_name = {f.name for f in fields(cls)} & set(ModelConfig.model_fields)
+        as_configured = {name: getattr(config, name) for name in same_name}
+        return cls(
+            **dict(
+                as_configured,
+                vocab_size=vocab_size,  # the dataset's where model.vocab_size is unset
+                num_kv_heads=config.num_kv_heads or config.num_heads,
+                rope_scaling=freeze_scaling(config.rope_scaling),
+                compute_dtype=compute_dtype,
+                param_dtype=param_dtype,
+                pipeline=pipeline,
+                max_docs_per_row=max_docs_per_row,
+            )
+        )
 
 
 def partitioned(init, logical_axes: tuple[str, ...]):

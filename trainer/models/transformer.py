@@ -12,18 +12,23 @@ Every parameter names its axes logically (`embed`, `mlp`, `heads`, `kv`, `vocab`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.config import ModelConfig
-from trainer.models.attention import attention_kernel, device_facts, facts_here
+from trainer.config import Config, ModelConfig
+from trainer.errors import ConfigError
+from trainer.models.attention import attention_kernel, facts_here
 from trainer.models.kernels import dropout
-from trainer.models.layers import Attention, PackedLayout, RMSNorm, SwiGLU, partitioned
-from trainer.models.matmul import BF16_DOT, linear_dot_general
-from trainer.models.rope import RopeScaling, freeze_scaling
+from trainer.models.layers import (
+    Attention,
+    PackedLayout,
+    RMSNorm,
+    SwiGLU,
+    TransformerSpec,
+    partitioned,
+)
+from trainer.models.matmul import BF16_DOT
 from trainer.parallel.offload import offload_dots_policy
 from trainer.parallel.pipeline import PipelineSpec, run_pipeline
 from trainer.parallel.sharding import STAGE_BATCH_AXES, rows_like_the_batch
@@ -38,75 +43,6 @@ _REMAT_POLICIES = {
     # what save_dots keeps, kept in pinned host memory instead of device memory
     "offload_dots": offload_dots_policy(BF16_DOT),
 }
-
-
-@dataclass(frozen=True)
-class TransformerSpec:
-    """Shape and numerics of the built-in model (filled from `ModelConfig` by the registry)."""
-
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    d_model: int
-    d_ff: int
-    rope_theta: float = 10000.0
-    dropout: float = 0.0
-    tie_embeddings: bool = False
-    remat: str = "none"
-    scan_layers: bool = True
-    attention: str = "auto"
-    compute_dtype: jnp.dtype = jnp.bfloat16
-    param_dtype: jnp.dtype = jnp.float32
-    norm_eps: float = 1e-6
-    head_dim: int | None = None  # None: d_model // num_heads (filled in by __post_init__)
-    rope_scaling: RopeScaling | None = None
-    pipeline: PipelineSpec | None = None  # layers split into stages over the `stage` mesh axis
-    # the most documents a packed row holds (`data.max_docs_per_row`, kept by the packers);
-    # None: unknown, so no kernel that needs the bound (cuDNN packed documents) is chosen
-    max_docs_per_row: int | None = None
-
-    def __post_init__(self):
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-
-    @property
-    def dot_general(self):
-        """The matmul of every dense layer, picked for this backend (`models/matmul.py`)."""
-        return linear_dot_general(device_facts()[0])
-
-    @classmethod
-    def from_config(
-        cls,
-        config: ModelConfig,
-        vocab_size: int,
-        compute_dtype,
-        param_dtype,
-        pipeline: PipelineSpec | None = None,
-        max_docs_per_row: int | None = None,
-    ) -> TransformerSpec:
-        """The shape and numerics `model.*` describes (custom blocks reuse it too)."""
-        return cls(
-            vocab_size=vocab_size,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads or config.num_heads,
-            d_model=config.d_model,
-            d_ff=config.d_ff,
-            rope_theta=config.rope_theta,
-            dropout=config.dropout,
-            norm_eps=config.norm_eps,
-            head_dim=config.head_dim,
-            rope_scaling=freeze_scaling(config.rope_scaling),
-            tie_embeddings=config.tie_embeddings,
-            remat=config.remat,
-            scan_layers=config.scan_layers,
-            attention=config.attention,
-            compute_dtype=compute_dtype,
-            param_dtype=param_dtype,
-            pipeline=pipeline,
-            max_docs_per_row=max_docs_per_row,
-        )
 
 
 class Block(nnx.Module):
@@ -253,3 +189,37 @@ def _matrices_in(compute_dtype, stacked):
         return x.astype(compute_dtype) if floating and x.ndim >= 3 else x
 
     return jax.tree.map(cast, stacked)
+
+
+def build_transformer(
+    config: ModelConfig,
+    *,
+    vocab_size: int,
+    rngs: nnx.Rngs,
+    compute_dtype,
+    param_dtype,
+    pipeline: PipelineSpec | None = None,
+    max_docs_per_row: int | None = None,
+) -> Transformer:
+    """The built-in decoder-only transformer (its layer stack pipelined when `pipeline` is set;
+    `max_docs_per_row`: the bound packed rows keep, which the cuDNN packed kernel needs)."""
+    if config.args:
+        raise ConfigError(
+            f"model.args {sorted(config.args)} are not used by model.kind=transformer; remove them"
+        )
+    spec = TransformerSpec.from_config(
+        config, vocab_size, compute_dtype, param_dtype, pipeline, max_docs_per_row
+    )
+    return Transformer(spec, rngs=rngs)
+
+
+def transformer_flops_per_token(config: Config, num_params: int, vocab_size: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward) except the embedding
+    lookups, which are free, plus 12 * layers * width * context for attention (the PaLM
+    appendix formula)."""
+    model = config.model
+    lookup = 0 if model.tie_embeddings else vocab_size * model.d_model  # tied: also the output
+    dense = 6.0 * (num_params - lookup)
+    # attention width: the query heads' (d_model, unless model.head_dim sets it apart)
+    width = model.num_heads * model.head_dim if model.head_dim else model.d_model
+    return dense + 12.0 * model.num_layers * width * config.data.seq_len

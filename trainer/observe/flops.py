@@ -1,10 +1,9 @@
-"""Model FLOPs utilization: FLOPs per token from the model shape, and peak FLOP/s per device."""
+"""Model FLOPs utilization: the peak FLOP/s per device (a model's FLOPs per token come from its
+`ModelSpec`, `trainer/models/spec.py`)."""
 
 from __future__ import annotations
 
 import jax
-
-from trainer.config import Config
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets; no sparsity).
 PEAK_TFLOPS_BF16 = {
@@ -17,22 +16,6 @@ PEAK_TFLOPS_BF16 = {
     "tpu v5p": 459.0,
     "tpu v5": 459.0,
 }
-
-
-def flops_per_token(
-    config: Config, num_params: int, vocab_size: int, builtin_transformer: bool = True
-) -> float:
-    """Training FLOPs per token (or example): 6 per parameter (forward + backward) for any model;
-    for the built-in transformer, embedding lookups are free and attention adds
-    12 * layers * width * context (the PaLM appendix formula)."""
-    if not builtin_transformer:
-        return 6.0 * num_params
-    model = config.model
-    lookup = 0 if model.tie_embeddings else vocab_size * model.d_model  # tied: also the output
-    dense = 6.0 * (num_params - lookup)
-    # attention width: the query heads' (d_model, unless model.head_dim sets it apart)
-    width = model.num_heads * model.head_dim if model.head_dim else model.d_model
-    return dense + 12.0 * model.num_layers * width * config.data.seq_len
 
 
 def device_peak_tflops(override: float | None = None) -> float | None:

@@ -21,7 +21,7 @@ inside a step (and remat offloads) to nothing, so on CPU only the at-rest placem
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,13 +80,13 @@ class Offload:
     memory."""
 
     shardings: TrainState  # the at-rest shardings (`at_rest`) the step is jitted with
-    narrowed: PyTree = None  # params tree of bools: leaves the forward gets in `compute_dtype`
-    compute_dtype: Any = None
-    master_dtype: Any = None  # the dtype of the parameters at rest, gradients and update
+    narrowed: PyTree  # params tree of bools: leaves the forward gets in `compute_dtype`
+    compute_dtype: Any
+    master_dtype: Any  # the dtype of the parameters at rest, gradients and update
 
     @classmethod
     def of(
-        cls, shardings: TrainState, precision: PrecisionConfig | None = None, matrices=None
+        cls, shardings: TrainState, precision: PrecisionConfig, matrices: PyTree
     ) -> Offload | None:
         """None when no leaf rests on the host: the step then compiles without any copy.
         `matrices` (a params tree of bools) marks the parameters every forward casts to the
@@ -94,9 +94,10 @@ class Offload:
         on the host, they travel to the forward already cast."""
         if not any(_on_host(s) for s in jax.tree.leaves(shardings)):
             return None
-        if precision is None or matrices is None or precision.compute == precision.params:
-            return cls(shardings)
-        narrowed = jax.tree.map(lambda s, m: bool(m) and _on_host(s), shardings.params, matrices)
+        cast = precision.compute != precision.params
+        narrowed = jax.tree.map(
+            lambda s, m: cast and bool(m) and _on_host(s), shardings.params, matrices
+        )
         return cls(shardings, narrowed, jnp.dtype(precision.compute), jnp.dtype(precision.params))
 
     def forward_params(self, params: PyTree) -> PyTree:
@@ -110,21 +111,16 @@ class Offload:
             x = jax.device_put(x, s.with_memory_kind(DEVICE))
             return x.astype(self.compute_dtype) if narrow else x
 
-        return jax.tree.map(fetch, params, self.shardings.params, self._narrowed(params))
+        return jax.tree.map(fetch, params, self.shardings.params, self.narrowed)
 
     def widen(self, params: PyTree) -> PyTree:
-        """`forward_params`' narrowed copies cast back to the master dtype. Applied inside the
-        differentiated function, so gradients come out and are summed in the master dtype, as
-        without offload, while XLA folds the cast pair into the model's own cast: only the
-        compute-dtype copy lives on the device."""
+        """`forward_params`' narrowed copies cast back to the master dtype. Applied to the values
+        differentiated, so gradients come out and are summed in the master dtype, as without
+        offload, while XLA folds the cast pair into the model's own cast: only the compute-dtype
+        copy lives on the device."""
         return jax.tree.map(
-            lambda x, narrow: x.astype(self.master_dtype) if narrow else x,
-            params,
-            self._narrowed(params),
+            lambda x, narrow: x.astype(self.master_dtype) if narrow else x, params, self.narrowed
         )
-
-    def _narrowed(self, params: PyTree) -> PyTree:
-        return self.narrowed if self.narrowed is not None else jax.tree.map(lambda _: False, params)
 
     def to_device(self, state: TrainState, after: PyTree = None) -> TrainState:
         """Inside jit: every host-resting leaf copied into device memory, same layout. With
@@ -173,37 +169,24 @@ def device_bytes(compiled: jax.stages.Compiled) -> int | None:
     outputs = stats.output_size_in_bytes
     aliased = stats.alias_size_in_bytes
     if not (stats.host_argument_size_in_bytes or stats.host_output_size_in_bytes):
-        host_in, host_donated = _host_inputs(compiled)
-        host_out = _host_outputs(compiled)
-        arguments -= host_in
+        none_is_leaf = lambda x: x is None  # noqa: E731  (a pruned input's sharding is None)
+        shardings = jax.tree.leaves(compiled.input_shardings, is_leaf=none_is_leaf)
+        infos = jax.tree.leaves(compiled.args_info, is_leaf=none_is_leaf)
+        inputs = list(zip(shardings, infos, strict=True))
+        host_out = _host_bytes((out.sharding, out) for out in jax.tree.leaves(compiled.out_info))
+        arguments -= _host_bytes(inputs)
         outputs -= host_out
+        host_donated = _host_bytes((s, x) for s, x in inputs if _on_host(s) and x.donated)
         aliased -= min(host_donated, host_out, aliased)
     return arguments + outputs - aliased + stats.temp_size_in_bytes
 
 
-def _shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> int:
-    return math.prod(sharding.shard_shape(tuple(shape))) * jax.numpy.dtype(dtype).itemsize
-
-
-def _host_inputs(compiled: jax.stages.Compiled) -> tuple[int, int]:
-    """(all, donated) per-device bytes of the host-memory inputs the executable keeps."""
-    total, donated = 0, 0
-    none_is_leaf = lambda x: x is None  # noqa: E731  (a pruned input's sharding is None)
-    shardings = jax.tree.leaves(compiled.input_shardings, is_leaf=none_is_leaf)
-    infos = jax.tree.leaves(compiled.args_info, is_leaf=none_is_leaf)
-    for sharding, info in zip(shardings, infos, strict=True):
-        if _on_host(sharding):
-            nbytes = _shard_bytes(info.shape, info.dtype, sharding)
-            total += nbytes
-            donated += nbytes if info.donated else 0
-    return total, donated
-
-
-def _host_outputs(compiled: jax.stages.Compiled) -> int:
+def _host_bytes(placed: Iterable[tuple[Sharding | None, Any]]) -> int:
+    """Per-device bytes of the (sharding, shape and dtype) pairs that live in host memory."""
     return sum(
-        _shard_bytes(out.shape, out.dtype, out.sharding)
-        for out in jax.tree.leaves(compiled.out_info)
-        if _on_host(out.sharding)
+        math.prod(s.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
+        for s, x in placed
+        if _on_host(s)
     )
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from trainer.parallel.sharding import STAGE_BATCH_AXES
+from trainer.parallel.sharding import STAGE_BATCH_AXES, microbatches
 
 PyTree = Any
 ANY = PartitionSpec.UNCONSTRAINED
@@ -60,8 +60,10 @@ def run_pipeline(
     `[0, microbatches)` while the pipeline fills or drains (its output is then discarded)."""
     S, M = spec.stages, spec.microbatches
     stage_layers = jax.tree.map(lambda a: _by_stage(a.reshape(S, -1, *a.shape[1:])), layers)
-    xs_MxBxLxD = _microbatches(x_BxLxD, M)
-    rows_M = jax.tree.map(lambda r: _microbatches(r, M), rows)
+    # each microbatch spread over a stage's data-parallel devices (the rows other stages held
+    # outside the pipeline are gathered here)
+    xs_MxBxLxD = microbatches(x_BxLxD, M, STAGE_BATCH_AXES)
+    rows_M = jax.tree.map(lambda r: microbatches(r, M, STAGE_BATCH_AXES), rows)
     stage_ids = jnp.arange(S)
     run_stages = jax.vmap(stage_fn, spmd_axis_name="stage")
 
@@ -92,16 +94,7 @@ def _by_stage(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec("stage", *([ANY] * (x.ndim - 1))))
 
 
-def _microbatches(x: jax.Array, count: int) -> jax.Array:
-    """[B, ...] -> [count, B/count, ...] taking every count-th row, so each microbatch stays
-    spread over all data-parallel devices of a stage (as `trainer.step` splits accumulation
-    microbatches); the rows that other stages held outside the pipeline are gathered here."""
-    x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
-    spec = PartitionSpec(None, STAGE_BATCH_AXES, *([ANY] * (x.ndim - 2)))
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
 def _rows_back(x: jax.Array) -> jax.Array:
-    """The inverse of `_microbatches`: [count, B/count, ...] -> [B, ...] in the original order."""
+    """The inverse of `microbatches`: [count, B/count, ...] -> [B, ...] in the original order."""
     x = x.swapaxes(0, 1)
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])

@@ -38,14 +38,9 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, ...]:
     """Resolve the one -1 axis and check the product matches the devices, naming the fix."""
-    sizes = {
-        "stage": config.stage,
-        "data": config.data,
-        "fsdp": config.fsdp,
-        "tensor": config.tensor,
-    }
+    sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [k for k, v in sizes.items() if v == -1]
     if fill:
@@ -62,7 +57,7 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int, int
             f"make {'*'.join(f'mesh.{k}' for k in _shown(sizes))} equal the device count, or "
             "set one axis to -1"
         )
-    return sizes["stage"], sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return tuple(sizes[axis] for axis in MESH_AXES)
 
 
 def _shown(sizes: Mapping[str, int]) -> dict[str, int]:
@@ -134,6 +129,14 @@ def rows_like_the_batch(x: jax.Array, axes: tuple[str, ...] = BATCH_AXES) -> jax
         return x
     rest = [None] * (x.ndim - 2) + [PartitionSpec.UNCONSTRAINED] * (x.ndim > 1)
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *rest))
+
+
+def microbatches(x: jax.Array, count: int, axes: tuple[str, ...] = BATCH_AXES) -> jax.Array:
+    """[B, ...] -> [count, B/count, ...] taking every count-th row, so each microbatch stays
+    spread over all the `axes` devices instead of living on 1/count of them."""
+    x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+    rest = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 2)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(None, axes, *rest))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

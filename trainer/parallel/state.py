@@ -116,12 +116,16 @@ def state_shardings(
     )
 
 
-def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> TrainState:
-    """ShapeDtypeStructs with target shardings: the restore target for Orbax."""
-    shapes = jax.eval_shape(init)
+def with_shardings(shapes: PyTree, shardings: PyTree) -> PyTree:
+    """ShapeDtypeStructs with target shardings: a restore target for Orbax."""
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
     )
+
+
+def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> TrainState:
+    """The whole state's restore target."""
+    return with_shardings(jax.eval_shape(init), shardings)
 
 
 def make_init_fn(

@@ -27,17 +27,16 @@ import jax
 
 from input_pipeline.packing import FIELDS
 from trainer.config import Config, load_config
-from trainer.data import check_config_batch_layout
+from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
-from trainer.observe.flops import flops_per_token
+from trainer.models import builder_for_vocab, model_spec
 from trainer.parallel import sharding
 from trainer.parallel.offload import device_bytes
-from trainer.parallel.program import build_program
 from trainer.plan import cost
 from trainer.plan.changes import Step, changes, knob_steps, overrides_of
 from trainer.plan.gpu import GPUS, Gpu, GpuPlanError, compile_for_gpu, gpu_devices, traced_for
 from trainer.plan.report import CPU, Footprint, format_bytes, parse_size, report, verdict
-from trainer.train import builder_for_vocab
+from trainer.program import build_program
 
 USAGE_EXIT = 2
 DEFAULT_VOCAB = 256  # model.vocab_size unset: the built-in corpora's byte-level vocabulary
@@ -93,7 +92,10 @@ def measure(
     would reject raises the trainer's ConfigError; a GPU compile that fails, GpuPlanError."""
     mesh = sharding.make_mesh(config.mesh, devices)
     rows, seq_len = config.data.global_batch_size, config.data.seq_len
-    check_config_batch_layout(config, mesh.shape["data"] * mesh.shape["fsdp"])
+    microbatches = config.pipeline_microbatches if config.mesh.stage > 1 else 1
+    check_batch_layout(
+        rows, config.optim.accum_steps, mesh.shape["data"] * mesh.shape["fsdp"], 1, microbatches
+    )
     vocab = config.model.vocab_size or DEFAULT_VOCAB
     with target.tracing():
         program = build_program(config, mesh, builder_for_vocab(config, vocab))
@@ -120,8 +122,7 @@ def measure(
         total, temporaries, xla_flops = gpu.device_total, gpu.temporaries, gpu.xla_flops
     params, host_params = resident_bytes(state.params, program.shardings.params)
     opt_state, host_opt = resident_bytes(state.opt_state, program.shardings.opt_state)
-    builtin = config.model.kind == "transformer"
-    per_token = flops_per_token(config, program.num_params, vocab, builtin)
+    per_token = model_spec(config.model.kind).flops_per_token(config, program.num_params, vocab)
     return Footprint(
         params=params,
         opt_state=opt_state,

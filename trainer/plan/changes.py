@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from trainer.config import Config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
+from trainer.models import model_spec
 from trainer.parallel.sharding import mesh_shape
 
 MAX_DOUBLINGS = 6
@@ -55,7 +56,7 @@ def knob_steps(config: Config, devices: int) -> list[Step]:
         steps.append(Step("offload", ("optim.offload=true",)))
     if not config.model.offload_params:
         steps.append(Step("offload_params", ("model.offload_params=true",)))
-    if config.model.kind == "transformer":
+    if model_spec(config.model.kind).pipelined:
         steps += _stage_steps(config, stage, data, fsdp, tensor)
     return steps
 

@@ -61,7 +61,7 @@ class Footprint:
     host_params: int
     host_opt_state: int
     xla_flops: float | None  # compiled step's cost analysis, per device, loop bodies once
-    model_flops: float  # trainer/observe/flops.py, per device
+    model_flops: float  # the model spec's FLOPs per token (trainer/models/), per device
     mesh: dict[str, int]
     num_params: int
     compiled_for: str = CPU  # XLA:CPU, or the GPU whose compiler laid the step out
@@ -113,7 +113,7 @@ def report(name: str, fp: Footprint, config: Config) -> list[str]:
         f"{fp.num_params / 1e6:.1f}M parameters",
         f"per device ({source}):",
         *(f"  {label:<28}{format_bytes(n):>10}" for label, n in rows.items()),
-        f"FLOPs per step per device: {_si(fp.model_flops, 'FLOP')} (trainer/observe/flops.py: 6 x "
+        f"FLOPs per step per device: {_si(fp.model_flops, 'FLOP')} (the model spec's: 6 x "
         "parameters + attention, no remat recompute)",
         f"  XLA cost_analysis: {_xla_flops(fp.xla_flops)}",
         f"pipeline bubble: {bubble_fraction(stages, microbatches):.1%}{staged}",

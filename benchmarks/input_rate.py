@@ -1,6 +1,6 @@
 """Measure the configured input pipeline alone, beside the raw read rate of the same files:
 
-    python -m input_pipeline.bench --config configs/demo.yaml [section.key=value ...] [--batches N]
+    python benchmarks/input_rate.py --config configs/demo.yaml [section.key=value ...] [--batches N]
 
 Prints first-batch latency, batches/s and tokens/s of the Grain chain (this host's share of the
 global batch), and records/s and bytes/s of batched raw ArrayRecord reads with no decoding.
@@ -13,6 +13,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+
+if not __package__:  # run as `python benchmarks/input_rate.py`, not imported from benchmarks/
+    import _repo_root  # noqa: F401  (before any project import: see its docstring)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.errors import ConfigError
 
     parser = argparse.ArgumentParser(
-        prog="python -m input_pipeline.bench",
+        prog="python benchmarks/input_rate.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

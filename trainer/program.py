@@ -1,12 +1,12 @@
 """Everything the loop runs for one (config, mesh): the state and batch shardings, the sharded
-init, and the jitted train/eval steps. Tests build it directly to compare meshes."""
+init, and the pure steps of `trainer.step` compiled with them. Tests build it directly to
+compare meshes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,18 +26,21 @@ from trainer.parallel.state import (
     make_init_fn,
     state_shardings,
 )
-from trainer.step import Batch, LossFn, jit_steps, make_eval_step, make_train_step, next_token_loss
+from trainer.step import Batch, LossFn, StepSettings, eval_step, next_token_loss, train_step
 
 
 @dataclass(frozen=True)
 class TrainProgram:
+    """One (config, mesh)'s shardings, sharded init and compiled steps."""
+
     mesh: Mesh
     shardings: TrainState
     batch_sharding: NamedSharding
     num_params: int
     init_fn: Callable[[], TrainState]
-    train_step: Callable
-    eval_step: Callable
+    settings: StepSettings  # what the steps were compiled with: `trainer.step` takes it too
+    train_step: Callable  # jitted (state, batch) -> (state, metrics); the state is donated
+    eval_step: Callable  # jitted (state, batch) -> weighted loss sums
 
     def init(self) -> TrainState:
         """A fresh state, created directly in its sharded layout."""
@@ -51,20 +54,32 @@ class TrainProgram:
     def stepper(
         self, in_place: bool | None = None
     ) -> Callable[[TrainState, Batch], tuple[TrainState, StepMetrics]]:
-        """The loop's step: the train step with its metrics packed (`StepMetrics`), stepping
-        into a spare state on CPU meshes and in place elsewhere (`in_place` None), or as asked.
-        Either way a state passed in is consumed, as by donation."""
-        step = packing_metrics(self.train_step)
-        if in_place is None:
+        """The loop's step: the train step with its metrics packed (`StepMetrics`), in place, or
+        into a spare state where `in_place` is None and the mesh is CPUs. Either way a state
+        passed in is consumed, as by donation."""
+
+        def train_step_packed(state: TrainState, batch: Batch):  # named: profiles show it
+            state, metrics = self.train_step(state, batch)
+            return state, StepMetrics.pack(metrics)
+
+        if in_place is None:  # XLA:CPU steps faster into a spare state (`IntoSpareState`)
             in_place = any(device.platform != "cpu" for device in self.mesh.devices.flat)
-        if not in_place:
-            return IntoSpareState(step, self.shardings, self.batch_sharding)
-        return jax.jit(
-            step,
-            in_shardings=(self.shardings, self.batch_sharding),
-            out_shardings=(self.shardings, sharding.replicated(self.mesh)),
-            donate_argnums=(0,),
-        )
+        if in_place:
+            return jit_train_step(train_step_packed, self.shardings, self.batch_sharding)
+        return IntoSpareState(train_step_packed, self.shardings, self.batch_sharding)
+
+
+def jit_train_step(
+    step: Callable, shardings: TrainState, batch_sharding: NamedSharding
+) -> Callable[[TrainState, Batch], tuple]:
+    """`step` compiled with every sharding declared, the batch's as a prefix (every field splits
+    its rows over the batch axes), and the state donated."""
+    return jax.jit(
+        step,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, sharding.replicated(batch_sharding.mesh)),
+        donate_argnums=(0,),
+    )
 
 
 @struct.dataclass
@@ -84,9 +99,6 @@ class StepMetrics:
     def __getitem__(self, name: str) -> jax.Array:
         return self.values[self.names.index(name)]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
     def start_copy(self) -> None:
         """Queue the copy to the host behind the step, so `read` takes no round trip."""
         self.values.copy_to_host_async()
@@ -97,16 +109,6 @@ class StepMetrics:
     def read(self) -> dict[str, float]:
         """The values on the host (waits for the step to finish)."""
         return dict(zip(self.names, jax.device_get(self.values).tolist(), strict=True))
-
-
-def packing_metrics(train_step: Callable) -> Callable[[TrainState, Batch], tuple]:
-    """`train_step`, its metrics dict packed into one `StepMetrics`."""
-
-    def train_step_packed(state: TrainState, batch: Batch):  # named: profiles show it
-        state, metrics = train_step(state, batch)
-        return state, StepMetrics.pack(metrics)
-
-    return train_step_packed
 
 
 class IntoSpareState:
@@ -127,7 +129,7 @@ class IntoSpareState:
         self._blank = jax.jit(partial(jax.tree.map, jnp.zeros_like), out_shardings=shardings)
         self._last: tuple[TrainState, TrainState] | None = None  # (input, output) of the last step
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Any]:
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
         last_input, last_output = self._last or (None, None)
         spare = last_input if state is last_output else self._blank(state)
         new_state, metrics = self._step_into(spare, state, batch)
@@ -141,13 +143,12 @@ def build_program(
     build: Callable[..., nnx.Module],
     loss_fn: LossFn = next_token_loss,
 ) -> TrainProgram:
-    """Abstract model -> shardings from logical names -> optimizer -> jitted steps."""
+    """Abstract model -> shardings from logical names -> optimizer -> compiled steps."""
     rules = sharding.resolve_rules(config.mesh.rules)
     with jax.set_mesh(mesh):
         skeleton, abstract_params, _ = abstract_model(build, mesh, rules)
-        tx, schedule = make_optimizer(
-            config.optim, config.run.steps, mask=decay_mask(skeleton.param_specs)
-        )
+        matrices = decay_mask(skeleton.param_specs)  # weight-decayed; cast by every forward
+        tx, schedule = make_optimizer(config.optim, config.run.steps, mask=matrices)
         scaling = LossScaling.from_config(config.precision)
         # the offloaded parts rest in pinned host memory between steps (`offload.py`)
         shardings = at_rest(
@@ -155,31 +156,28 @@ def build_program(
             params=config.model.offload_params,
             opt_state=config.optim.offload,
         )
-        offload = Offload.of(  # None without offload: no copies compiled in
-            shardings, config.precision, decay_mask(skeleton.param_specs)
-        )
-        batch_sharding = sharding.batch_sharding(mesh)
-        train_step, eval_step = jit_steps(
-            make_train_step(
-                skeleton,
-                tx,
-                schedule,
-                loss_fn,
-                config.optim.accum_steps,
-                skip_nonfinite=config.optim.skip_nonfinite,
-                scaling=scaling,
-                offload=offload,
-            ),
-            make_eval_step(skeleton, loss_fn, offload),
-            shardings,
-            batch_sharding,
-        )
+    settings = StepSettings(
+        graphdef=skeleton.graphdef,
+        tx=tx,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        accum_steps=config.optim.accum_steps,
+        skip_nonfinite=config.optim.skip_nonfinite,
+        scaling=scaling,
+        offload=Offload.of(shardings, config.precision, matrices),
+    )
+    batch_sharding = sharding.batch_sharding(mesh)
     return TrainProgram(
         mesh=mesh,
         shardings=shardings,
         batch_sharding=batch_sharding,
         num_params=sum(int(x.size) for x in jax.tree.leaves(abstract_params)),
         init_fn=make_init_fn(build, tx, config.run.seed, scaling),
-        train_step=train_step,
-        eval_step=eval_step,
+        settings=settings,
+        train_step=jit_train_step(partial(train_step, settings), shardings, batch_sharding),
+        eval_step=jax.jit(
+            partial(eval_step, settings),
+            in_shardings=(shardings, batch_sharding),
+            out_shardings=sharding.replicated(mesh),
+        ),
     )
