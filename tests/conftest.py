@@ -83,6 +83,25 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
+def tiny_run(corpus, workdir, steps=4):
+    """The TINY model trained on `corpus` in `workdir` for `steps`: a checkpoint every 2 steps,
+    no eval before the last step, no TensorBoard."""
+    from trainer.config import load_config
+
+    return load_config(
+        None,
+        [
+            *TINY,
+            f"data.path={corpus}",
+            f"run.workdir={workdir}",
+            f"run.steps={steps}",
+            "checkpoint.every=2",
+            "eval.every=100",
+            "log.tensorboard=false",
+        ],
+    )
+
+
 def documents(n=60, seed=0):
     """Documents of very different lengths, each with a recognizable first line; the longer
     ones are cut into several records at max_record_tokens=512."""

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import TINY, tiny_run
 
 from trainer.checkpoint import Checkpointer
-from trainer.config import load_config
 from trainer.errors import TrainingError
 from trainer.train import run
 
@@ -36,21 +35,6 @@ def small_disk(tmp_path):
     yield mount
     for folder in reversed(mounts):
         subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
-def config(corpus, workdir, steps=4):
-    return load_config(
-        None,
-        [
-            *TINY,
-            f"data.path={corpus}",
-            f"run.workdir={workdir}",
-            f"run.steps={steps}",
-            "checkpoint.every=2",
-            "eval.every=100",
-            "log.tensorboard=false",
-        ],
-    )
 
 
 @pytest.mark.slow
@@ -80,7 +64,7 @@ def test_disk_full_during_a_background_write_keeps_the_last_checkpoint(
     disk = small_disk("2200k")
     monkeypatch.setattr(Checkpointer, "_check_free_space", lambda *args: None)
     with pytest.raises(TrainingError, match=r"is full \(no space left on device\)") as err:
-        run(config(corpus, disk / "run", steps=6))
+        run(tiny_run(corpus, disk / "run", steps=6))
     assert "step 2 is the last complete checkpoint" in str(err.value)
     checkpointer, step = Checkpointer.open_existing(disk / "run")
     checkpointer.close()
@@ -90,7 +74,7 @@ def test_disk_full_during_a_background_write_keeps_the_last_checkpoint(
 @pytest.mark.slow
 def test_a_folder_that_turns_read_only_is_reported(corpus, small_disk):
     disk = small_disk("8m")
-    run(config(corpus, disk / "run", steps=2))
+    run(tiny_run(corpus, disk / "run", steps=2))
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
     with pytest.raises(TrainingError, match="not writable|cannot write run.workdir"):
-        run(config(corpus, disk / "run", steps=4))
+        run(tiny_run(corpus, disk / "run", steps=4))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import tiny_run
 
 from input_pipeline.device import DeviceFeed
 from trainer.config import MeshConfig, load_config
@@ -120,20 +120,6 @@ def test_a_device_further_behind_holds_the_host_back_at_in_flight_steps(tmp_path
     device = run_loop(IN_FLIGHT + 2, tmp_path, monkeypatch)
     assert len(device.waits) > IN_FLIGHT + 2  # it had to wait before the end too
     assert max(device.ahead) == IN_FLIGHT
-
-
-def tiny_run(corpus, workdir, steps: int):
-    return load_config(
-        None,
-        [
-            *TINY,
-            f"data.path={corpus}",
-            f"run.workdir={workdir}",
-            f"run.steps={steps}",
-            "checkpoint.every=2",
-            "eval.every=100",
-        ],
-    )
 
 
 def test_checkpoint_warm_up_runs_once_and_leaves_nothing_behind(corpus, tmp_path, monkeypatch):
