@@ -27,7 +27,7 @@ from input_pipeline.corpora import resolve_dataset  # noqa: E402
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info  # noqa: E402
 from input_pipeline.errors import DataError  # noqa: E402
 from input_pipeline.pipeline import make_batch_iterator  # noqa: E402
-from input_pipeline.reading import Reading  # noqa: E402
+from trainer.data import train_reading  # noqa: E402
 
 FORMAT_NAMES = {"arrayrecord": "ArrayRecord", "tfrecord": "TFRecord"}
 
@@ -40,13 +40,7 @@ def configured_batches(info: DatasetInfo, data, seed: int) -> Iterator[dict[str,
         seq_len=data.seq_len,
         batch_size=data.global_batch_size,
         packing=data.packing,
-        reading=Reading(
-            shuffle=data.shuffle,
-            seed=seed,
-            read_threads=data.read_threads,
-            workers=data.workers,
-            reader=data.reader,
-        ),
+        reading=train_reading(data, seed),
         max_docs_per_row=data.resolved_max_docs_per_row,
         concat_offset=data.concat_offset,
     )

@@ -125,15 +125,7 @@ def dataset_sources(
     """The configured datasets' train batches (this process's rows as feeder `feeders`), their
     eval data, and what checkpoints record about them; unreadable records are listed in
     `skip_log`."""
-    reading = Reading(
-        shuffle=data.shuffle,
-        seed=seed,
-        read_threads=data.read_threads,
-        workers=data.workers,
-        skip_corrupt=data.skip_corrupt,
-        skip_log=skip_log,
-        reader=data.reader,
-    )
+    reading = train_reading(data, seed, skip_log)
     sources = load_sources(data, reading)
     train = stream_batches(data, sources, "train", reading, feeders)
 
@@ -154,6 +146,19 @@ def dataset_sources(
         make_evals=evals if mixture else None,
         source_tokens=tokens_by_source if mixture else None,
         feeders=feeders[1],
+    )
+
+
+def train_reading(data: DataConfig, seed: int, skip_log: Path | None = None) -> Reading:
+    """How the train pass of `data` reads its records (an eval pass: see `stream_batches`)."""
+    return Reading(
+        shuffle=data.shuffle,
+        seed=seed,
+        read_threads=data.read_threads,
+        workers=data.workers,
+        skip_corrupt=data.skip_corrupt,
+        skip_log=skip_log,
+        reader=data.reader,
     )
 
 
