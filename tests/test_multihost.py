@@ -172,7 +172,10 @@ def test_two_processes_match_one_stop_together_and_resume_on_one(
         wait_for(lambda: max(losses_of(two), default=0) > STEPS, [launcher], [log_path], 300)
         started = re.search(r"2 processes \((\d+) (\d+)\)", log_path.read_text())
         os.kill(int(started[2]), signal.SIGTERM)
-        status = launcher.wait(timeout=120)
+        try:
+            status = launcher.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # keep what the processes said: slow, or stuck where
+            pytest.fail(f"no stop within 120 s of the SIGTERM:\n{log_path.read_text()[-3000:]}")
     finally:
         if launcher.poll() is None:
             launcher.kill()
