@@ -74,3 +74,25 @@ def test_custom_block_from_a_package_outside_the_repo_trains_through_the_cli(
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0
+    # its kind has no Hugging Face adapter: export says so before it reads any weight
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            "--workdir",
+            str(workdir),
+            "--out",
+            str(tmp_path / "hf"),
+            "--format",
+            "hf",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert export.returncode == 2, export.stderr[-2000:]
+    assert "not model.kind=user_lm.blocks:build; use --format orbax" in export.stderr
+    assert not (tmp_path / "hf").exists()

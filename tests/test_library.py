@@ -4,6 +4,7 @@ the README's library example run exactly as printed."""
 import json
 import math
 import re
+from pathlib import Path
 
 import grain
 import jax
@@ -165,6 +166,14 @@ def test_plain_iterables_and_built_modules_work_too(tmp_path):
         config_for(tmp_path, 5), model=module, loss_fn=classification_loss, data=batches()
     )
     assert result.step == 5
+
+
+def test_init_from_a_hugging_face_folder_needs_the_models_adapter(tmp_path):
+    """A caller's model has no Hugging Face mapping: one line, not the transformer's mapping."""
+    hf = f"hf:{Path(__file__).parent / 'fixtures' / 'hf_tiny_llama'}"
+    config = config_for(tmp_path, 5).derive({"checkpoint.init_from": hf})
+    with pytest.raises(trainer.ConfigError, match="this model has no Hugging Face adapter"):
+        trainer.run(config, model=Classifier, loss_fn=classification_loss, data=train_data())
 
 
 def test_finite_data_that_runs_out_is_reported(tmp_path):

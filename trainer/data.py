@@ -11,6 +11,7 @@ also evaluated on its own held-out split.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -30,6 +31,7 @@ from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, available_memory, count_skipped, memory_needed
 from input_pipeline.streams import StreamBatches
+from input_pipeline.tokenizers import Tokenizer, get_tokenizer
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
 
@@ -54,6 +56,7 @@ class DataSources:
     make_evals: dict[str, tuple[float, Callable[[], Iterable[dict[str, Any]]]]] | None = None
     source_tokens: Callable[[Any], dict[str, float]] | None = None
     feeders: int = 1  # processes feeding distinct rows: a batch's global row count is theirs
+    load_tokenizer: Callable[[], Tokenizer] | None = None  # the prepared data's, for samples
 
 
 @dataclass(frozen=True)
@@ -136,16 +139,18 @@ def dataset_sources(
     evals = {s.name: (s.weight, eval_of(s)) for s in sources if "eval" in s.info.raw["splits"]}
     mixture = len(sources) > 1  # one source: no per-source metrics
     description, fingerprint = identity(sources)
+    first = sources[0].info  # every source has its tokenizer (`check_same_tokenizer`)
     return DataSources(
         train=train,
         make_eval=next((make for _, make in evals.values()), None),  # none: no evals
         description=description,
         fingerprint=fingerprint,
-        vocab_size=sources[0].info.vocab_size,
+        vocab_size=first.vocab_size,
         skipped_records=None if skip_log is None else lambda: count_skipped(skip_log),
         make_evals=evals if mixture else None,
         source_tokens=tokens_by_source if mixture else None,
         feeders=feeders[1],
+        load_tokenizer=functools.partial(get_tokenizer, first.tokenizer, first.path),
     )
 
 

@@ -41,25 +41,20 @@ def export_params(
 ) -> Path:
     """Read the run's own saved config and checkpoint; write host numpy params to `out` (or, with
     `format="hf"`, a Hugging Face Llama folder)."""
+    out = Path(out).absolute()
+    if out.exists():
+        raise TrainingError(f"{out} already exists; choose a new --out folder")
     checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
         _, (config, params) = checkpointer.restore_chosen(
             step,
-            lambda step: _restore_params(checkpointer, step),
+            lambda step: _restore_params(checkpointer, step, format),
             advice="repair it, or export another --step",
         )
     finally:
         checkpointer.close()
-    out = Path(out).absolute()
-    if out.exists():
-        raise TrainingError(f"{out} already exists; choose a new --out folder")
     if format == "hf":
-        adapter = model_spec(config.model.kind).hf
-        if adapter is None:
-            raise TrainingError(
-                f"--format hf exports the built-in transformer, not model.kind={config.model.kind}"
-            )
-        return write_hf_folder(out, params, config, adapter)
+        return write_hf_folder(out, params, config, model_spec(config.model.kind).hf)
     host_params = jax.tree.map(np.asarray, params)
     checkpointer_out = ocp.StandardCheckpointer()
     checkpointer_out.save(out, host_params)
@@ -67,9 +62,15 @@ def export_params(
     return out
 
 
-def _restore_params(checkpointer: Checkpointer, step: int) -> tuple[Config, Any]:
-    """The config saved with `step`, and its parameters laid out on this machine's devices."""
+def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple[Config, Any]:
+    """The config saved with `step`, and its parameters laid out on this machine's devices; a
+    kind that `format` cannot write is refused before any weight is read."""
     saved = checkpointer.run_config(step)
+    if format == "hf" and model_spec(saved.model.kind).hf is None:
+        raise TrainingError(
+            f"--format hf exports the built-in transformer, not model.kind={saved.model.kind}; "
+            "use --format orbax"
+        )
     config = saved.derive({"mesh.stage": 1, "mesh.data": -1, "mesh.fsdp": 1, "mesh.tensor": 1})
     _, target = abstract_params(config, sharding.make_mesh(config.mesh))
     return saved, checkpointer.restore_params(step, target)

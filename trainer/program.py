@@ -19,6 +19,7 @@ from trainer.optimizer import decay_mask, make_optimizer
 from trainer.parallel import sharding
 from trainer.parallel.offload import Offload, at_rest
 from trainer.parallel.state import (
+    ModelSkeleton,
     TrainState,
     abstract_model,
     abstract_state,
@@ -34,6 +35,7 @@ class TrainProgram:
     """One (config, mesh)'s shardings, sharded init and compiled steps."""
 
     mesh: Mesh
+    skeleton: ModelSkeleton  # the module's graph and its parameters' layout
     shardings: TrainState
     batch_sharding: NamedSharding
     num_params: int
@@ -169,6 +171,7 @@ def build_program(
     batch_sharding = sharding.batch_sharding(mesh)
     return TrainProgram(
         mesh=mesh,
+        skeleton=skeleton,
         shardings=shardings,
         batch_sharding=batch_sharding,
         num_params=sum(int(x.size) for x in jax.tree.leaves(abstract_params)),

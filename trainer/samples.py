@@ -5,19 +5,20 @@ trained (the KV-cache decoder of `trainer/generate.py`), on the console, in
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from input_pipeline.tokenizers import Tokenizer
 from trainer.config import Config
-from trainer.generate import Generator, run_tokenizer
-from trainer.models import abstract_params
+from trainer.generate import Generator
 from trainer.models.spec import Decoder
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel.offload import to_device_memory
-from trainer.parallel.state import TrainState
+from trainer.parallel.state import ModelSkeleton, TrainState
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -48,21 +49,22 @@ class Sampler:
 def make_sampler(
     config: Config,
     decoder: Decoder | None,
+    skeleton: ModelSkeleton,
     mesh: jax.sharding.Mesh,
     writer: MetricsWriter,
-    vocab_size: int | None,
+    load_tokenizer: Callable[[], Tokenizer] | None,
 ) -> Sampler | None:
-    """A sampler when prompts are set, the model has a `decoder` and the dataset's tokenizer can
-    be read; otherwise None (with a line saying why, if prompts were set)."""
+    """A sampler when prompts are set, the model has a `decoder` and the data a tokenizer;
+    otherwise None (with a line saying why, if prompts were set). `skeleton` is the trained
+    model's, so the model is not traced a second time."""
     if not config.eval.sample_prompts:
         return None
     if decoder is None:
         writer.message("eval.sample_prompts needs the built-in transformer; not sampling")
         return None
-    tokenizer = run_tokenizer(config)
-    if tokenizer is None:
-        writer.message("eval.sample_prompts: the dataset has no readable tokenizer; not sampling")
+    if load_tokenizer is None:
+        writer.message("eval.sample_prompts: the data has no tokenizer; not sampling")
         return None
-    skeleton, _ = abstract_params(config, mesh, vocab_size)
+    tokenizer = load_tokenizer()
     generator = Generator(None, decoder, mesh, tokenizer, getattr(tokenizer, "eos_id", None))
     return Sampler(config, skeleton.merge, generator, writer)

@@ -66,7 +66,7 @@ def run(
         write_run_config(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
-            state, start_step = restore_or_init(config, checkpointer, program, sources.train)
+            state, start_step = restore_or_init(config, checkpointer, program, spec, sources.train)
         writer = open_writer(config, start_step)
         announce(writer, config, program, sources, spec, checkpointer, start_step, data is None)
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
@@ -82,7 +82,7 @@ def run(
                 peak_tflops=device_peak_tflops(config.log.peak_tflops),
                 goodput=goodput,
                 sampler=make_sampler(
-                    config, spec.decoder if data is None else None, mesh, writer, vocab_size
+                    config, spec.decoder, program.skeleton, mesh, writer, sources.load_tokenizer
                 ),
             ) as loop,
             jax.set_mesh(mesh),
@@ -195,12 +195,18 @@ def run_metadata(config: Config, sources: DataSources, params: Any) -> dict[str,
     }
 
 
-def restore_or_init(config: Config, checkpointer: Checkpointer, program: TrainProgram, train_iter):
+def restore_or_init(
+    config: Config,
+    checkpointer: Checkpointer,
+    program: TrainProgram,
+    spec: ModelSpec,
+    train_iter: Any,
+) -> tuple[TrainState, int]:
     """Newest checkpoint that restores (state + data position), or a fresh sharded init.
     Damaged checkpoints are moved aside; a run never starts afresh over them."""
     if checkpointer.latest_step() is None and not checkpointer.damaged():
         if config.checkpoint.init_from:
-            return init_from(config.checkpoint.init_from, program), 0
+            return init_from(config.checkpoint.init_from, program, spec), 0
         return program.init(), 0
     target = program.abstract_state()
     step, (state, data_state) = checkpointer.restore_newest(
@@ -211,15 +217,19 @@ def restore_or_init(config: Config, checkpointer: Checkpointer, program: TrainPr
     return state, step
 
 
-def init_from(path: str, program: TrainProgram) -> TrainState:
+def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
     """A fresh state whose parameters come from another run's latest checkpoint (fine-tuning):
-    optimizer state, step and data position start anew. `hf:PATH`: a Hugging Face folder."""
+    optimizer state, step and data position start anew. `hf:PATH`: a Hugging Face folder, read
+    by the model's adapter."""
     target = program.abstract_state().params
     if (folder := hf_folder(path)) is not None:
-        from trainer.hf.weights import load_hf_params
-
+        if spec.hf is None:
+            raise ConfigError(
+                f"checkpoint.init_from={path} reads a Hugging Face folder into the built-in "
+                "transformer; this model has no Hugging Face adapter: point init_from at a run"
+            )
         with jax.set_mesh(program.mesh):
-            return program.init().replace(params=load_hf_params(folder, target))
+            return program.init().replace(params=spec.hf.load_params(folder, target))
     source, _ = Checkpointer.open_existing(path)
     try:
         _, params = source.restore_newest(
