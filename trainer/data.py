@@ -57,6 +57,7 @@ class DataSources:
     source_tokens: Callable[[Any], dict[str, float]] | None = None
     feeders: int = 1  # processes feeding distinct rows: a batch's global row count is theirs
     load_tokenizer: Callable[[], Tokenizer] | None = None  # the prepared data's, for samples
+    without_evals: str = "no eval_data given; training without evals"  # said when make_eval is None
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,8 @@ def dataset_sources(
         source_tokens=tokens_by_source if mixture else None,
         feeders=feeders[1],
         load_tokenizer=functools.partial(get_tokenizer, first.tokenizer, first.path),
+        without_evals=f"data {description} has no eval split; training without evals (prepare "
+        "it with --eval-fraction or --eval-input to get eval_loss)",
     )
 
 

@@ -31,6 +31,7 @@ from trainer.observe.flops import device_peak_tflops
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
+from trainer.parallel.pipeline import PipelineSpec
 from trainer.parallel.state import TrainState
 from trainer.program import TrainProgram, build_program
 from trainer.samples import make_sampler
@@ -59,8 +60,8 @@ def run(
     Returns a `RunResult` (final `state`, `step`, `last_metrics`, `eval_loss`).
     """
     with Goodput() as goodput:  # counts this session's compiles while open
-        mesh = sharding.make_mesh(config.mesh)
-        sources = open_data(config, mesh, model, data, eval_data)
+        mesh, pipeline = sharding.make_mesh(config.mesh), pipeline_spec(config)
+        sources = open_data(config, mesh, pipeline, model, data, eval_data)
         spec, build = run_model(config, model, sources.vocab_size or config.model.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
         write_run_config(config)
@@ -68,7 +69,7 @@ def run(
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
             state, start_step = restore_or_init(config, checkpointer, program, spec, sources.train)
         writer = open_writer(config, start_step)
-        announce(writer, config, program, sources, spec, checkpointer, start_step, data is None)
+        announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
         with (
             Loop(
@@ -93,11 +94,17 @@ def run(
 # ----------------------------------------------------------------------------- setup
 
 
-def open_data(config: Config, mesh: Mesh, model: Any, data: Any, eval_data: Any) -> DataSources:
+def open_data(
+    config: Config,
+    mesh: Mesh,
+    pipeline: PipelineSpec | None,
+    model: Any,
+    data: Any,
+    eval_data: Any,
+) -> DataSources:
     """The run's batches, checked to cut whole into the mesh, microbatches and streams: the
     configured dataset, or a caller's `data` (whose rows only we split into microbatches)."""
     ours = data is None
-    pipeline = pipeline_spec(config)
     if pipeline is not None and model is not None:
         raise ConfigError(
             f"mesh.stage={pipeline.stages} splits the built-in transformer's layer stack; a "
@@ -153,11 +160,11 @@ def announce(
     writer: MetricsWriter,
     config: Config,
     program: TrainProgram,
+    pipeline: PipelineSpec | None,
     sources: DataSources,
     spec: ModelSpec,
     checkpointer: Checkpointer,
     start_step: int,
-    ours: bool,
 ) -> None:
     """The startup lines: what trains on what (or where it resumes), and a missing eval split."""
     note = spec.startup_note(config)
@@ -165,7 +172,6 @@ def announce(
         where = checkpointer.directory / str(start_step)
         writer.message(f"resuming from {where} (step {start_step}){note}")
     else:
-        pipeline = pipeline_spec(config)
         staged = (
             ""
             if pipeline is None
@@ -177,12 +183,7 @@ def announce(
             f"mesh {dict(program.mesh.shape)}{staged}; data {sources.description}{note}"
         )
     if sources.make_eval is None:
-        writer.message(
-            f"data {sources.description} has no eval split; training without evals (prepare it "
-            "with --eval-fraction or --eval-input to get eval_loss)"
-            if ours
-            else "no eval_data given; training without evals"
-        )
+        writer.message(sources.without_evals)
 
 
 def run_metadata(config: Config, sources: DataSources, params: Any) -> dict[str, Any]:
