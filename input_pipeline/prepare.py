@@ -85,11 +85,7 @@ def prepare_dataset(
 ) -> Path:
     """Write `output_dir` with train/eval shards and `dataset.json` from documents in memory
     or streamed by any iterable (one process; `prepare_files` is the resumable, parallel path).
-
-    `tokenizer` is `byte`, `sentencepiece` (trained here on the first `sample_sentences` lines of
-    the training documents, with `vocab_size` pieces) or the path of an existing SentencePiece
-    `.model` file; a SentencePiece model is stored in the dataset folder.
-    """
+    `tokenizer` takes the `--tokenizer` values of the module docstring."""
     output = Path(output_dir)
     _check_options(output, overwrite, format, eval_fraction)
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")

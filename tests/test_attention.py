@@ -480,7 +480,7 @@ def test_a_plan_for_a_gpu_that_is_not_here_probes_nothing(monkeypatch):
         raise AssertionError("probed")
 
     monkeypatch.setattr(kernels, "probe", no_probe)
-    with attention.planned_device("gpu", "9.0"):
+    with kernels.planned_device("gpu", "9.0"):
         assert attention.device_facts() == ("gpu", "9.0")
         assert attention.attention_kernel("auto", facts()) == "cudnn_packed"
         assert attention.attention_kernel("auto", facts(compute_capability="8.0")) == "pallas"

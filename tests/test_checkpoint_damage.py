@@ -19,7 +19,7 @@ from conftest import TINY
 from trainer.config import load_config
 from trainer.export import export_params
 from trainer.generate import load_generator
-from trainer.models import builder_for_vocab
+from trainer.models import builder_for_vocab, model_spec
 from trainer.parallel import sharding
 from trainer.program import build_program
 from trainer.train import init_from, run
@@ -149,7 +149,8 @@ def test_export_and_init_from_fall_back_and_leave_the_source_alone(straight, tmp
     out = export_params(workdir, tmp_path / "exported")
     config = load_config(None, ARGS)
     mesh = sharding.make_mesh(config.mesh)
-    state = init_from(str(workdir), build_program(config, mesh, builder_for_vocab(config, 256)))
+    program = build_program(config, mesh, builder_for_vocab(config, 256))
+    state = init_from(str(workdir), program, model_spec(config.model.kind))
     err = capfd.readouterr().err
     assert err.count(f"checkpoint {workdir / 'checkpoints' / '6'} does not restore") == 2, err
     assert "left in place" in err and "Traceback" not in err

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
@@ -114,7 +115,7 @@ class Checkpointer:
             outcome = self._set_aside(step)
             _warn(
                 f"warning: checkpoint {self.directory / str(step)} does not restore ({reason}); "
-                f"{outcome}"
+                f"{outcome}; trying the previous one"
             )
         kept = self.damaged()
         aside = f" (damaged ones moved aside: {', '.join(kept)})" if kept else ""
@@ -125,7 +126,9 @@ class Checkpointer:
     ) -> tuple[int, T]:
         """`(step, restore(step))` for the step asked for by number, or (None) for the newest
         that restores, damaged ones named and skipped: what export and generate read."""
-        self.require_step(step)
+        saved = sorted(self.manager.all_steps())
+        if step is not None and step not in saved:
+            raise TrainingError(f"{self.directory} has no step {step}; saved steps: {saved}")
         return self.restore_newest(restore, None if step is None else [step], advice)
 
     def _try_restore(self, restore: Callable[[int], T], step: int) -> tuple[T | None, str | None]:
@@ -144,12 +147,18 @@ class Checkpointer:
         return value, reason
 
     def _set_aside(self, step: int) -> str:
-        """Rename a damaged step folder (process 0), so the next run does not retry it."""
-        folder = self.directory / str(step)
+        """Rename a damaged step folder (process 0), so the next run does not retry it; says
+        what became of it."""
         self.manager.close()  # a new manager: the old one caches the step list and item layout
         if self.read_only:
-            self.manager = self._open_manager(clean=False)
-            return "left in place (another run's folder); trying the previous one"
+            outcome = "left in place (another run's folder)"
+        else:
+            outcome = self._rename_damaged(step)
+        self.manager = self._open_manager(clean=False)
+        return outcome
+
+    def _rename_damaged(self, step: int) -> str:
+        folder = self.directory / str(step)
         target, n = folder.with_name(f"{step}.damaged"), 0
         while target.exists():
             n += 1
@@ -161,13 +170,8 @@ class Checkpointer:
             except OSError as err:
                 problem = err.strerror
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
-        self.manager = self._open_manager(clean=False)
-        if problem:
-            return f"could not move it aside ({problem}); trying the previous one"
-        return f"moved it to {target.name}; trying the previous one"
+        return f"could not move it aside ({problem})" if problem else f"moved it to {target.name}"
 
     def save(
         self, step: int, state: TrainState, data_state: dict | None, meta: dict[str, Any]
@@ -239,12 +243,10 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
-            text = str(err)
-            if getattr(err, "errno", None) == errno.ENOSPC or _mentions(text, DISK_FULL):
+            code, text = getattr(err, "errno", None), str(err)
+            if code == errno.ENOSPC or _mentions(text, DISK_FULL):
                 problem = "is full (no space left on device)"
-            elif getattr(err, "errno", None) in (errno.EACCES, errno.EROFS) or _mentions(
-                text, NOT_WRITABLE
-            ):
+            elif code in (errno.EACCES, errno.EROFS) or _mentions(text, NOT_WRITABLE):
                 problem = "is not writable"
             else:
                 raise
@@ -263,12 +265,6 @@ class Checkpointer:
         (export, generate)."""
         meta = self.read_meta(step)
         return config_from_dict(meta["config"]).derive({"model.vocab_size": meta["vocab_size"]})
-
-    def require_step(self, step: int | None) -> None:
-        """A step the caller asked for by number must have been saved (None: any)."""
-        saved = sorted(self.manager.all_steps())
-        if step is not None and step not in saved:
-            raise TrainingError(f"{self.directory} has no step {step}; saved steps: {saved}")
 
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict | None]:
         """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load), memory
@@ -328,13 +324,10 @@ class Checkpointer:
 
     def close(self) -> None:
         try:
-            self._finish_warm_up()
+            self.wait()
         finally:
             with self._storage_errors("finishing a save"):
-                try:
-                    self.manager.wait_until_finished()
-                finally:
-                    self.manager.close()
+                self.manager.close()
 
 
 def _state_bytes(state: TrainState) -> int:
@@ -392,8 +385,6 @@ def _on_every_process(ok: bool) -> bool:
     """True when `ok` holds on every process, so all pick the same checkpoint."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     flags = multihost_utils.process_allgather(np.array(int(ok), dtype=np.int32))
     return bool(np.all(flags))
 

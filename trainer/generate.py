@@ -22,8 +22,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer.config import Config
+from input_pipeline.corpora import BUILTIN_CORPORA, builtin_dataset_dir
+from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.errors import DataError
+from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer, Tokenizer, get_tokenizer
+from trainer.checkpoint import Checkpointer
+from trainer.config import Config, load_config
+from trainer.errors import ConfigError, TrainingError
+from trainer.hf import hf_folder
+from trainer.hf.config import read_hf_config
+from trainer.models import abstract_params, model_spec
 from trainer.models.spec import Decoder
+from trainer.parallel import sharding
 
 
 @dataclass
@@ -47,8 +57,6 @@ class Generator:
     ) -> np.ndarray:
         """`max_new_tokens` ids after `prompt_ids` (cut after the end-of-text id, if known)."""
         if not len(prompt_ids) or max_new_tokens < 1:
-            from trainer.errors import ConfigError
-
             raise ConfigError("generation needs a prompt of at least one token and 1+ new tokens")
         graphdef, state = nnx.split(self.model)
         settings = (max_new_tokens, float(temperature), top_k, float(top_p))
@@ -126,8 +134,6 @@ def load_generator(
 ) -> Generator:
     """A run's workdir (its saved config and checkpoint `step`, default the latest) or
     `hf:PATH`, loaded onto `devices` (default all) with the parameters sharded over them."""
-    from trainer.hf import hf_folder
-
     folder = hf_folder(source)
     if folder is not None:
         return _load_hf(folder, compute, devices)
@@ -139,10 +145,6 @@ def _load_model(
 ) -> Generator:
     """`config`'s model with the parameters `read_params(restore target)` gives, sharded over
     every device on the fsdp axis (weights split along `embed`), as many as divide it."""
-    from trainer.errors import ConfigError
-    from trainer.models import abstract_params, model_spec
-    from trainer.parallel import sharding
-
     decoder = model_spec(config.model.kind).decoder
     if decoder is None:
         raise ConfigError(f"generation needs model.kind=transformer, not {config.model.kind}")
@@ -159,11 +161,6 @@ def _load_model(
 
 
 def _load_hf(folder: str, compute: str | None, devices) -> Generator:
-    from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer
-    from trainer.config import load_config
-    from trainer.hf.config import read_hf_config
-    from trainer.models import model_spec
-
     config = load_config(None, [f"checkpoint.init_from=hf:{folder}"])  # model.* of config.json
     read = functools.partial(model_spec(config.model.kind).hf.load_params, folder)
     generator = _load_model(config, compute, devices, read)
@@ -178,7 +175,6 @@ def _load_hf(folder: str, compute: str | None, devices) -> Generator:
 def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) -> Generator:
     """Checkpoint `step` of a run, or its newest that restores (a damaged one is named in one
     line and skipped, as export and `checkpoint.init_from` do)."""
-    from trainer.checkpoint import Checkpointer
 
     def restore(step: int) -> tuple[Config, Generator]:
         config = checkpointer.run_config(step)
@@ -196,12 +192,8 @@ def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) 
     return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer))
 
 
-def run_tokenizer(config: Config):
+def run_tokenizer(config: Config) -> Tokenizer | None:
     """The tokenizer recorded with the run's dataset, if that folder is still there."""
-    from input_pipeline.corpora import BUILTIN_CORPORA, builtin_dataset_dir
-    from input_pipeline.dataset_info import load_dataset_info
-    from input_pipeline.tokenizers import get_tokenizer
-
     path = config.data.mixture[0].path if config.data.mixture else config.data.path
     folder = Path(path)
     if path in BUILTIN_CORPORA:
@@ -235,9 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compute", choices=["bfloat16", "float16", "float32"], default=None)
     args = parser.parse_args(argv)
-    from input_pipeline.errors import DataError
-    from trainer.errors import ConfigError, TrainingError
-
     try:
         generator = load_generator(args.workdir, args.step, args.compute)
         if generator.tokenizer is None:

@@ -29,7 +29,6 @@ import numpy as np
 from input_pipeline.errors import DataError
 from trainer.errors import ConfigError
 from trainer.models import kernels
-from trainer.models.kernels import planned_device  # noqa: F401 (trainer.plan enters it)
 
 Kernel = Literal["xla", "xla_dropout", "cudnn", "cudnn_mask", "cudnn_packed", "pallas"]
 _HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,15 @@ from trainer.parallel import sharding
 from trainer.parallel.offload import device_bytes
 from trainer.plan import cost
 from trainer.plan.changes import Step, changes, knob_steps, overrides_of
-from trainer.plan.gpu import GPUS, Gpu, GpuPlanError, compile_for_gpu, gpu_devices, traced_for
+from trainer.plan.gpu import (
+    GPUS,
+    Gpu,
+    GpuPlanError,
+    compile_for_gpu,
+    cost_analysis_flops,
+    gpu_devices,
+    traced_for,
+)
 from trainer.plan.report import CPU, Footprint, format_bytes, parse_size, report, verdict
 from trainer.program import build_program
 
@@ -50,15 +57,6 @@ class Target:
 
     gpu: Gpu | None = None
     devices: tuple[Any, ...] = ()
-
-    @contextmanager
-    def tracing(self) -> Iterator[None]:
-        """Build and trace the model for this target (its attention kernels and matmuls)."""
-        if self.gpu is None:
-            yield
-        else:
-            with traced_for(self.gpu):
-                yield
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -97,7 +95,7 @@ def measure(
         rows, config.optim.accum_steps, mesh.shape["data"] * mesh.shape["fsdp"], 1, microbatches
     )
     vocab = config.model.vocab_size or DEFAULT_VOCAB
-    with target.tracing():
+    with nullcontext() if target.gpu is None else traced_for(target.gpu):
         program = build_program(config, mesh, builder_for_vocab(config, vocab))
         state = program.abstract_state()
         fields = {k: v for k, v in FIELDS.items() if k != "segment_ids" or not one_document_per_row}
@@ -112,11 +110,9 @@ def measure(
             else:
                 lowered = traced.lower(lowering_platforms=("cuda",))
     if target.gpu is None:
-        cost_analysis = compiled.cost_analysis()
-        cost_analysis = cost_analysis[0] if isinstance(cost_analysis, list) else cost_analysis
         total = device_bytes(compiled)
         temporaries = compiled.memory_analysis().temp_size_in_bytes
-        xla_flops = float((cost_analysis or {}).get("flops", 0.0))
+        xla_flops = cost_analysis_flops(compiled)
     else:
         gpu = compile_for_gpu(lowered, list(mesh.devices.flat), devices, list(target.devices))
         total, temporaries, xla_flops = gpu.device_total, gpu.temporaries, gpu.xla_flops
@@ -270,15 +266,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    known = GPUS.get(args.gpu) if args.gpu else None
+    known = GPUS.get(args.gpu)
     try:
         budget = parse_size(args.device_memory or (str(known.memory) if known else "80GB"))
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} is not a device count; pass 1 or more")
         config = load_config(args.config, args.overrides)
         devices = cpu_devices(args.devices)
-        target = _target(args.gpu, len(devices))
-        base, target = _measure(config, devices, target, args)
+        base, target = _measure_base(config, devices, args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
@@ -301,27 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _target(name: str | None, count: int) -> Target:
-    """`--gpu name`'s target, or XLA:CPU's after one line saying why it cannot be."""
-    if name is None:
-        return Target()
-    try:
-        return gpu_target(name, count)
-    except GpuPlanError as err:
-        print(_fallback(name, err), flush=True)
-        return Target()
-
-
-def _measure(
-    config: Config, devices: list[jax.Device], target: Target, args: argparse.Namespace
+def _measure_base(
+    config: Config, devices: list[jax.Device], args: argparse.Namespace
 ) -> tuple[Footprint, Target]:
-    """The base footprint on `target`, or on XLA:CPU after one line when the GPU compile fails."""
+    """The footprint on `--gpu`'s target, or on XLA:CPU after one line saying why it cannot be."""
     try:
+        target = Target() if args.gpu is None else gpu_target(args.gpu, len(devices))
         return measure(config, devices, target, args.one_document_per_row), target
     except GpuPlanError as err:
-        print(_fallback(args.gpu, err), flush=True)
+        fallback = "planning with XLA:CPU instead"
+        print(f"--gpu {args.gpu}: cannot compile for it here: {err}; {fallback}", flush=True)
         return measure(config, devices, Target(), args.one_document_per_row), Target()
-
-
-def _fallback(name: str, err: GpuPlanError) -> str:
-    return f"--gpu {name}: cannot compile for it here: {err}; planning with XLA:CPU instead"

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-from trainer.models.attention import planned_device
+from trainer.models.kernels import planned_device
 from trainer.plan.cost import Rates
 
 
@@ -92,47 +92,46 @@ device_description_str: "{self.description}"
 
 
 GB = 10**9
-PCIE3, PCIE4, PCIE5 = 12 * GB, 25 * GB, 53 * GB  # achieved pinned-copy rates, each way
-_HOPPER_SHARED = {"shared_per_core": 233472, "shared_per_block_optin": 232448}
-_AMPERE_SHARED = {"shared_per_core": 167936, "shared_per_block_optin": 166912}
-_ADA_SHARED = {"shared_per_core": 102400, "shared_per_block_optin": 101376}
-_TURING_SHARED = {"shared_per_core": 65536, "shared_per_block_optin": 65536}
 MiB = 2**20
+PCIE3, PCIE4, PCIE5 = 12 * GB, 25 * GB, 53 * GB  # achieved pinned-copy rates, each way
+# fmt: off
+# Per-multiprocessor figures, shared by every GPU of a compute capability.
+_SM90 = {"shared_per_core": 233472, "shared_per_block_optin": 232448,
+         "threads_per_core": 2048, "fpus_per_core": 128}
+_SM80 = {"shared_per_core": 167936, "shared_per_block_optin": 166912,
+         "threads_per_core": 2048, "fpus_per_core": 64}
+_SM86_89 = {"shared_per_core": 102400, "shared_per_block_optin": 101376,
+            "threads_per_core": 1536, "fpus_per_core": 128}
+_SM75 = {"shared_per_core": 65536, "shared_per_block_optin": 65536,
+         "threads_per_core": 1024, "fpus_per_core": 64}
 
 GPUS: dict[str, Gpu] = {
     "h200": Gpu(
-        "NVIDIA H200 141GB HBM3e", (9, 0), 132, 151397597184, 4.8e12, 50 * MiB, 1.98,
-        **_HOPPER_SHARED, threads_per_core=2048, fpus_per_core=128,
+        "NVIDIA H200 141GB HBM3e", (9, 0), 132, 151397597184, 4.8e12, 50 * MiB, 1.98, **_SM90,
         peak_flops=989e12, host_link=PCIE5, interconnect=450 * GB,
     ),
     "h100": Gpu(
-        "NVIDIA H100 80GB HBM3", (9, 0), 132, 84942979072, 3.35232e12, 50 * MiB, 1.98,
-        **_HOPPER_SHARED, threads_per_core=2048, fpus_per_core=128,
+        "NVIDIA H100 80GB HBM3", (9, 0), 132, 84942979072, 3.35232e12, 50 * MiB, 1.98, **_SM90,
         peak_flops=989e12, host_link=PCIE5, interconnect=450 * GB,
     ),
     "a100": Gpu(
-        "NVIDIA A100-SXM4-80GB", (8, 0), 108, 85100068864, 2.03904e12, 40 * MiB, 1.41,
-        **_AMPERE_SHARED, threads_per_core=2048, fpus_per_core=64,
+        "NVIDIA A100-SXM4-80GB", (8, 0), 108, 85100068864, 2.03904e12, 40 * MiB, 1.41, **_SM80,
         peak_flops=312e12, host_link=PCIE4, interconnect=300 * GB,
     ),
     "a100-40gb": Gpu(
-        "NVIDIA A100-SXM4-40GB", (8, 0), 108, 42331013120, 1.5552e12, 40 * MiB, 1.41,
-        **_AMPERE_SHARED, threads_per_core=2048, fpus_per_core=64,
+        "NVIDIA A100-SXM4-40GB", (8, 0), 108, 42331013120, 1.5552e12, 40 * MiB, 1.41, **_SM80,
         peak_flops=312e12, host_link=PCIE4, interconnect=300 * GB,
     ),
     "l4": Gpu(
-        "NVIDIA L4", (8, 9), 58, 23034 * MiB, 300e9, 48 * MiB, 2.04,
-        **_ADA_SHARED, threads_per_core=1536, fpus_per_core=128,
+        "NVIDIA L4", (8, 9), 58, 23034 * MiB, 300e9, 48 * MiB, 2.04, **_SM86_89,
         peak_flops=121e12, host_link=PCIE4, interconnect=PCIE4,
     ),
     "rtx4090": Gpu(
-        "NVIDIA GeForce RTX 4090", (8, 9), 128, 24564 * MiB, 1008e9, 72 * MiB, 2.52,
-        **_ADA_SHARED, threads_per_core=1536, fpus_per_core=128,
+        "NVIDIA GeForce RTX 4090", (8, 9), 128, 24564 * MiB, 1008e9, 72 * MiB, 2.52, **_SM86_89,
         peak_flops=165e12, host_link=PCIE4, interconnect=PCIE4,
     ),
     "rtx3090": Gpu(
-        "NVIDIA GeForce RTX 3090", (8, 6), 82, 24576 * MiB, 936e9, 6 * MiB, 1.695,
-        **_ADA_SHARED, threads_per_core=1536, fpus_per_core=128,
+        "NVIDIA GeForce RTX 3090", (8, 6), 82, 24576 * MiB, 936e9, 6 * MiB, 1.695, **_SM86_89,
         peak_flops=71e12, host_link=PCIE4, interconnect=PCIE4,
     ),
     "v100": Gpu(
@@ -142,16 +141,15 @@ GPUS: dict[str, Gpu] = {
         peak_flops=125e12, host_link=PCIE3, interconnect=150 * GB,
     ),
     "t4": Gpu(
-        "Tesla T4", (7, 5), 40, 15360 * MiB, 320e9, 4 * MiB, 1.59,
-        **_TURING_SHARED, threads_per_core=1024, fpus_per_core=64,
+        "Tesla T4", (7, 5), 40, 15360 * MiB, 320e9, 4 * MiB, 1.59, **_SM75,
         peak_flops=65e12, host_link=PCIE3, interconnect=PCIE3,
     ),
     "rtx2080ti": Gpu(
-        "NVIDIA GeForce RTX 2080 Ti", (7, 5), 68, 11264 * MiB, 616e9, 5.5 * MiB, 1.545,
-        **_TURING_SHARED, threads_per_core=1024, fpus_per_core=64,
+        "NVIDIA GeForce RTX 2080 Ti", (7, 5), 68, 11264 * MiB, 616e9, 5.5 * MiB, 1.545, **_SM75,
         peak_flops=53.8e12, host_link=PCIE3, interconnect=PCIE3,
     ),
-}  # fmt: skip
+}
+# fmt: on
 
 
 def gpu_devices(gpu: Gpu, count: int) -> list[Any]:
@@ -176,11 +174,9 @@ def gpu_devices(gpu: Gpu, count: int) -> list[Any]:
 
 @contextmanager
 def traced_for(gpu: Gpu) -> Iterator[None]:
-    """Inside: the model picks its kernels for `gpu` (`attention.planned_device`), and jax's cuDNN
+    """Inside: the model picks its kernels for `gpu` (`kernels.planned_device`), and jax's cuDNN
     attention, which asks the local GPU at trace time, gets `gpu`'s answers."""
-    with ExitStack() as stack:
-        stack.enter_context(planned_device("gpu", gpu.compute_capability))
-        stack.enter_context(answering_cudnn_checks(gpu))
+    with planned_device("gpu", gpu.compute_capability), answering_cudnn_checks(gpu):
         yield
 
 
@@ -196,13 +192,9 @@ def answering_cudnn_checks(gpu: Gpu) -> Iterator[None]:
         module = importlib.import_module(_CUDNN_MODULE)
     except ImportError as err:
         raise GpuPlanError(f"this jax has no {_CUDNN_MODULE} ({err})") from None
-
-    def at_least(capability: str) -> bool:
-        return _capability(capability) <= gpu.capability
-
     answers = {
         "check_cudnn_version": lambda: _CUDNN_VERSION,
-        "check_compute_capability": at_least,
+        "check_compute_capability": lambda c: _capability(c) <= gpu.capability,
         "is_cuda_compute_capability_equal": lambda c: _capability(c) == gpu.capability,
     }
     missing = [name for name in answers if not hasattr(module, name)]
@@ -229,7 +221,6 @@ class GpuCompiled:
 
     device_total: int  # arguments + outputs - donated + temporaries, device memory only
     temporaries: int
-    host: int  # arguments resting in host memory
     xla_flops: float | None  # None: the compile-only executable gives no cost analysis
 
 
@@ -266,12 +257,12 @@ def compile_for_gpu(
         - stats.alias_size_in_bytes
         + stats.temp_size_in_bytes,
         temporaries=stats.temp_size_in_bytes,
-        host=stats.host_argument_size_in_bytes,
-        xla_flops=_flops(executable),
+        xla_flops=cost_analysis_flops(executable),
     )
 
 
-def _flops(executable: Any) -> float | None:
+def cost_analysis_flops(executable: Any) -> float | None:
+    """XLA's FLOPs of a compiled executable, CPU or GPU; None where it gives no cost analysis."""
     try:
         cost = executable.cost_analysis()
     except Exception:  # jax 0.10's compile-only GPU executables have none
