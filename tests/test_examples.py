@@ -49,50 +49,38 @@ def test_custom_block_from_a_package_outside_the_repo_trains_through_the_cli(
     shutil.copy(repo_root / "examples/parallel_block.py", package / "blocks.py")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     workdir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.main",
-            "--config",
-            "configs/tiny.yaml",
-            "model.kind=user_lm.blocks:build",
-            f"data.path={corpus}",
-            f"run.workdir={workdir}",
-            "run.steps=20",
-            "log.every=1",
-            "eval.every=20",
-            "checkpoint.every=20",
-        ],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
+
+    def python_module(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", *args],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+
+    proc = python_module(
+        "trainer.main",
+        "--config",
+        "configs/tiny.yaml",
+        "model.kind=user_lm.blocks:build",
+        f"data.path={corpus}",
+        f"run.workdir={workdir}",
+        "run.steps=20",
+        "log.every=1",
+        "eval.every=20",
+        "checkpoint.every=20",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0
     # its kind has no Hugging Face adapter: export says so before it reads any weight
-    export = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.export",
-            "--workdir",
-            str(workdir),
-            "--out",
-            str(tmp_path / "hf"),
-            "--format",
-            "hf",
-        ],
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
+    hf = tmp_path / "hf"
+    export = python_module(
+        "trainer.export", "--workdir", str(workdir), "--out", str(hf), "--format", "hf"
     )
     assert export.returncode == 2, export.stderr[-2000:]
     assert "not model.kind=user_lm.blocks:build; use --format orbax" in export.stderr
-    assert not (tmp_path / "hf").exists()
+    assert not hf.exists()

@@ -62,7 +62,8 @@ def run(
     with Goodput() as goodput:  # counts this session's compiles while open
         mesh, pipeline = sharding.make_mesh(config.mesh), pipeline_spec(config)
         sources = open_data(config, mesh, pipeline, model, data, eval_data)
-        spec, build = run_model(config, model, sources.vocab_size or config.model.vocab_size or 0)
+        vocab_size = config.model.vocab_size or sources.vocab_size or 0
+        spec, build = run_model(config, model, sources.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
         write_run_config(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
@@ -70,7 +71,6 @@ def run(
             state, start_step = restore_or_init(config, checkpointer, program, spec, sources.train)
         writer = open_writer(config, start_step)
         announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
-        vocab_size = config.model.vocab_size or sources.vocab_size or 0
         with (
             Loop(
                 config,
@@ -78,7 +78,7 @@ def run(
                 program,
                 checkpointer,
                 writer,
-                run_metadata(config, sources, state.params),
+                run_metadata(config, sources, vocab_size, state.params),
                 flops_per_token=spec.flops_per_token(config, program.num_params, vocab_size),
                 peak_tflops=device_peak_tflops(config.log.peak_tflops),
                 goodput=goodput,
@@ -186,12 +186,14 @@ def announce(
         writer.message(sources.without_evals)
 
 
-def run_metadata(config: Config, sources: DataSources, params: Any) -> dict[str, Any]:
+def run_metadata(
+    config: Config, sources: DataSources, vocab_size: int, params: Any
+) -> dict[str, Any]:
     """What every checkpoint records beside the state: how to rebuild and check the run."""
     return {
         "config": config.to_dict(),
         "dataset_fingerprint": sources.fingerprint,
-        "vocab_size": config.model.vocab_size or sources.vocab_size,
+        "vocab_size": vocab_size or None,  # None: a caller's model without model.vocab_size
         "param_shapes": param_shapes(params),
     }
 
