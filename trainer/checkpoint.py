@@ -60,6 +60,7 @@ class Checkpointer:
                 f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
                 "choose a writable run.workdir"
             ) from None
+        self._saving: contextlib.ExitStack | None = None  # from the first save until `close`
 
     def _open_manager(self, clean: bool = True) -> ocp.CheckpointManager:
         """A fresh manager: it caches the step list and, after one restore, the item layout.
@@ -181,6 +182,9 @@ class Checkpointer:
         self._check_free_space(step, state)
         start = time.perf_counter()
         self._finish_warm_up()  # one save at a time, as Orbax does within one manager
+        if self._saving is None:  # failures in Orbax's threads: reported by us, once
+            self._saving = contextlib.ExitStack()
+            self._saving.enter_context(_background_failures_reported_by_us())
         with self._storage_errors(f"saving step {step}"):
             self.manager.save(
                 step,
@@ -243,12 +247,8 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
-            code, text = getattr(err, "errno", None), str(err)
-            if code == errno.ENOSPC or _mentions(text, DISK_FULL):
-                problem = "is full (no space left on device)"
-            elif code in (errno.EACCES, errno.EROFS) or _mentions(text, NOT_WRITABLE):
-                problem = "is not writable"
-            else:
+            problem = _storage_problem(err)
+            if problem is None:
                 raise
             raise TrainingError(
                 f"checkpoint folder {self.directory} {problem} while {doing}; free space or fix "
@@ -326,7 +326,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            with self._storage_errors("finishing a save"):
+            with self._saving or contextlib.nullcontext(), self._storage_errors("finishing a save"):
                 self.manager.close()
 
 
@@ -355,6 +355,40 @@ NOT_WRITABLE = ("Permission denied", "Read-only file system", "[Errno 13]", "[Er
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _storage_problem(err: BaseException) -> str | None:
+    """What a full or unwritable folder did to `err`'s write ("is full ..."), or None."""
+    code, text = getattr(err, "errno", None), str(err)
+    if code == errno.ENOSPC or _mentions(text, DISK_FULL):
+        return "is full (no space left on device)"
+    if code in (errno.EACCES, errno.EROFS) or _mentions(text, NOT_WRITABLE):
+        return "is not writable"
+    return None
+
+
+class _ReportedStorageErrors(logging.Filter):
+    """Holds back Orbax's log of a write that failed on a full or unwritable folder."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _storage_problem(record.exc_info[1]))
+
+
+@contextlib.contextmanager
+def _background_failures_reported_by_us() -> Iterator[None]:
+    """While open, a save that fails in Orbax's background threads is reported once, by
+    `_storage_errors`, not as tracebacks: each of its threads logs a full or unwritable folder's
+    error with one (held back here), and its event loop, closed at the first failed write,
+    abandons the sibling writes, each of which prints "RuntimeError: Event loop is closed"
+    when it ends (drained here, as restores are)."""
+    absl = logging.getLogger("absl")
+    reported = _ReportedStorageErrors()
+    absl.addFilter(reported)
+    try:
+        with _draining_event_loops():
+            yield
+    finally:
+        absl.removeFilter(reported)
 
 
 def _mentions(text: str, phrases: tuple[str, ...]) -> bool:
