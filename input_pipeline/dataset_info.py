@@ -87,12 +87,9 @@ class DatasetInfo:
 
 
 def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 4 MB blocks."""
-    digest = hashlib.sha256()
+    """Hex sha256 of a file, read block by block."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_dataset_info(path: str | Path) -> DatasetInfo:

@@ -91,9 +91,7 @@ class DeviceFeed:
         self._sharding = sharding
         self._feeders = row_feeders(sharding)[1] if feeders is None else feeders
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._free_slots: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(max(1, prefetch)):
-            self._free_slots.put(None)
+        self._free_slots = threading.Semaphore(max(1, prefetch))
         self._stop = threading.Event()
         self.last_wait_s = 0.0
         self._thread = threading.Thread(target=self._fill, name="device-feed", daemon=True)
@@ -115,11 +113,8 @@ class DeviceFeed:
 
     def _take_free_slot(self) -> bool:
         while not self._stop.is_set():
-            try:
-                self._free_slots.get(timeout=0.1)
+            if self._free_slots.acquire(timeout=0.1):
                 return True
-            except queue.Empty:
-                continue
         return False
 
     def __iter__(self) -> DeviceFeed:
@@ -139,7 +134,7 @@ class DeviceFeed:
         if isinstance(item, BaseException):
             self._ready.put(item)
             raise item
-        self._free_slots.put(None)
+        self._free_slots.release()
         return item
 
     def close(self) -> None:

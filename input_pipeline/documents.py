@@ -10,9 +10,10 @@ and splits between hosts, and depend only on the sorted file list, so every host
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,18 +110,12 @@ def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
 
 def nonblank_lines(documents: Iterable[str], limit: int) -> Iterator[str]:
     """The first `limit` non-blank lines: SentencePiece learns from lines, blanks teach nothing."""
-    count = 0
-    for document in documents:
-        for line in document.splitlines():
-            if count >= limit:
-                return
-            if line.strip():
-                count += 1
-                yield line
+    lines = (line for document in documents for line in document.splitlines() if line.strip())
+    return itertools.islice(lines, limit)
 
 
 def sample_lines(
-    pieces: list[Piece], sentences: int, text_field: str, is_train: Any
+    pieces: list[Piece], sentences: int, text_field: str, is_train: Callable[[str], bool]
 ) -> Iterator[str]:
     """A bounded, deterministic tokenizer-training sample: the first `sentences / pieces` lines
     of the training documents (`is_train(text)`) of every training piece, so the sample spans

@@ -58,10 +58,6 @@ class MixedStream:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def _next_source(self) -> int:
-        behind = self.shares * (self.row + 1) - self.taken
-        return int(np.argmax(behind))  # first maximum: ties go to the earlier source
-
     def _take_row(self, name: str) -> dict[str, np.ndarray]:
         batch = self._in_hand[name]
         if batch is None or self._used[name] == len(batch["inputs"]):
@@ -75,7 +71,8 @@ class MixedStream:
     def __next__(self) -> Batch:
         rows = []
         for _ in range(self.rows):
-            source = self._next_source()
+            behind = self.shares * (self.row + 1) - self.taken
+            source = int(np.argmax(behind))  # first maximum: ties go to the earlier source
             name = self.names[source]
             row = self._take_row(name)
             self.taken[source] += 1

@@ -39,8 +39,7 @@ FIELDS = {
 
 
 class ConcatPackIterDataset(grain.IterDataset):
-    """Decoded records -> whole batches in the batch contract (`inputs`, `targets`,
-    `segment_ids`, `positions` int32 `[B, L]`, `weights` float32 `[B, L]`).
+    """Decoded records -> whole `[B, L]` batches of `FIELDS` (the batch contract, pipeline.py).
 
     A parent element is one record, or a sequence of records read together (one Grain element
     per read keeps Grain's per-element cost off the per-record path)."""
@@ -126,7 +125,7 @@ class ConcatPackIterator(grain.DatasetIterator):
         inputs, targets = fields["inputs"], fields["targets"]
         seq_len = self._shape[1]
         document_starts = []  # flat offsets where a document begins inside this batch
-        gaps = []  # (start, stop): padding that ends a row holding `max_docs_per_row` pieces
+        gaps = []  # (start, stop): padding after a row's `max_docs_per_row`-th piece
         pieces, pieces_row = 0, -1  # pieces so far in the row of the latest document start
         filled = 0
         while filled < self._size:
@@ -153,7 +152,9 @@ class ConcatPackIterator(grain.DatasetIterator):
                     filled = row_end
         if filled == 0:
             raise StopIteration
-        self._fill_pieces(fields, document_starts, filled)
+        if filled < self._size:  # the data ended: the rest is padding
+            gaps.append((filled, self._size))
+        self._fill_pieces(fields, document_starts)
         for start, stop in gaps:
             for array in fields.values():
                 array[start:stop] = 0
@@ -167,10 +168,10 @@ class ConcatPackIterator(grain.DatasetIterator):
         in_row = pieces if pieces_row == (filled - 1) // seq_len else 1
         return -(-filled // seq_len) * seq_len if in_row >= self._max_pieces else filled
 
-    def _fill_pieces(self, fields: dict[str, np.ndarray], document_starts: list[int], filled: int):
+    def _fill_pieces(self, fields: dict[str, np.ndarray], document_starts: list[int]):
         """Segment ids, positions and weights: whole-row defaults, then from each document start
-        inside a row, the next segment id and positions from 0; zeros after `filled`, where the
-        data ended. O(rows) work per batch, plus two slices per document start."""
+        inside a row, the next segment id and positions from 0. O(rows) work per batch, plus two
+        slices per document start."""
         seq_len = self._shape[1]
         segment_ids = fields["segment_ids"].reshape(self._shape)
         positions = fields["positions"]
@@ -183,9 +184,6 @@ class ConcatPackIterator(grain.DatasetIterator):
                 rest = seq_len - column
                 segment_ids[row, column:] += 1
                 positions[start : start + rest] = self._row_positions[:rest]
-        if filled < self._size:
-            for array in fields.values():
-                array[filled:] = 0
 
     def get_state(self) -> dict[str, Any]:
         if self._record < len(self._element):

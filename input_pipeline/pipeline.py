@@ -251,7 +251,6 @@ def make_batch_iterator(
     else:
         shift = seq_len if concat_offset == "random_per_epoch" else 0
         pairs = arrayrecord_pairs(info, split, reading, source, epoch_shift=shift)
-    lengths = {name: seq_len for name in FEATURES}
     if packing == "concat":
         batches = ConcatPackIterDataset(
             pairs, seq_len=seq_len, batch_size=batch_size, max_docs_per_row=max_docs_per_row
@@ -261,7 +260,7 @@ def make_batch_iterator(
         pieces = grain.experimental.FlatMapIterDataset(pairs, SplitToLength(seq_len, max_record))
         rows = grain.experimental.FirstFitPackIterDataset(
             pieces,
-            length_struct=lengths,
+            length_struct={name: seq_len for name in FEATURES},
             num_packing_bins=batch_size,
             seed=reading.seed,
             shuffle_bins=reading.shuffle,

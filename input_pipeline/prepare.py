@@ -167,10 +167,8 @@ def prepare_files(
     def is_train(text: str) -> bool:
         return explicit or not is_eval_document(text, eval_fraction)
 
-    def sample() -> Iterable[str]:
-        pieces = [p for group in groups for p in group]
-        return sample_lines(pieces, sample_sentences, text_field, is_train)
-
+    pieces = [p for group in groups for p in group]
+    sample = sample_lines(pieces, sample_sentences, text_field, is_train)  # read lazily, if at all
     tok = staged_tokenizer(staging, tokenizer, vocab_size, sample, sample_sentences)
     recipe = _recipe(tok, format, eval_fraction, explicit, num_shards, max_record_tokens)
     recipe = replace(recipe, text_field=text_field)

@@ -67,10 +67,6 @@ class Recipe:
     def is_eval(self, text: str) -> bool:
         return is_eval_document(text, self.eval_fraction)
 
-    @property
-    def holds_fallback(self) -> bool:
-        return self.eval_fraction > 0 and not self.explicit_eval
-
 
 def is_eval_document(text: str, eval_fraction: float) -> bool:
     """Deterministic by content: the same corpus always gives the same held-out split."""
@@ -100,7 +96,7 @@ class _GroupWriter:
         self.fallback = ShardSet(folder, "fallback", 1, codec)
         self.documents = dict.fromkeys(SPLITS, 0)
         self.pending: dict[str, list[str]] = {s: [] for s in SPLITS}
-        self.hold_last = last_group and recipe.holds_fallback
+        self.hold_last = last_group and recipe.eval_fraction > 0 and not recipe.explicit_eval
 
     def add(self, text: str, split: str) -> None:
         self.pending[split].append(text)

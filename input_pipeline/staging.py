@@ -16,7 +16,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from input_pipeline.shard_groups import (
     write_json,
 )
 from input_pipeline.tokenizers import (
+    HF_PREFIX,
     SENTENCEPIECE_FILE,
     SentencePieceTokenizer,
     Tokenizer,
@@ -83,20 +84,20 @@ def staged_tokenizer(
     staging: Path,
     choice: str,
     vocab_size: int | None,
-    sample: Callable[[], Iterable[str]],
+    sample: Iterable[str],
     sample_sentences: int,
 ) -> Tokenizer:
     """The tokenizer every part shares: the first part to train (or copy) a SentencePiece model
-    links it into the staging folder, and every part uses that one."""
-    if choice == "byte" or choice.startswith("hf:"):  # hf: every part copies the same file
+    links it into the staging folder, and every part uses that one. `sample` is read only to
+    train one, so a lazy generator costs nothing otherwise."""
+    if choice == "byte" or choice.startswith(HF_PREFIX):  # hf: every part copies the same file
         return make_tokenizer(choice, staging)
     target = staging / SENTENCEPIECE_FILE
     if not target.exists():
         private = staging / f".tokenizer-{socket.gethostname()}-{os.getpid()}"
         private.mkdir(exist_ok=True)
         try:
-            lines = sample() if choice == "sentencepiece" else ()
-            make_tokenizer(choice, private, lines, vocab_size, sample_sentences)
+            make_tokenizer(choice, private, sample, vocab_size, sample_sentences)
             with contextlib.suppress(FileExistsError):  # another part was first: use its model
                 os.link(private / SENTENCEPIECE_FILE, target)
         finally:
@@ -124,10 +125,9 @@ def run_groups(
         for i in pending
     ]
     total = sum(p["end"] - p["start"] for i in pending for p in groups[i])
-    bar = tqdm(
+    with tqdm(
         total=total, unit="B", unit_scale=True, desc=f"tokenizing {name}", disable=not progress
-    )
-    with bar:
+    ) as bar:
         if workers == 1:
             for task in tasks:
                 bar.update(prepare_file_group(*task))

@@ -71,8 +71,7 @@ def host_shards(info: DatasetInfo, split: str, process_index: int, process_count
 
 
 def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.IterDataset:
-    """Decoded `{"inputs", "targets"}` records of TFRecord shards `paths`, read by Grain: a
-    seeded file order per epoch, interleaved shards, a seeded shuffle window."""
+    """Decoded `{"inputs", "targets"}` records of TFRecord shards `paths`, read by Grain."""
     files = grain.MapDataset.source(paths)
     if reading.shuffle:
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch

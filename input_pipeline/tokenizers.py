@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from input_pipeline.documents import nonblank_lines
 from input_pipeline.errors import DataError
 
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -138,17 +139,6 @@ class HFTokenizer:
         return model_file_spec(self.name, self.vocab_size, self.model_file)
 
 
-def copy_hf_tokenizer(source: str | Path, folder: Path) -> HFTokenizer:
-    """`source`'s tokenizer.json (and tokenizer_config.json) copied into `folder`."""
-    source = Path(source)
-    if not (source / HF_TOKENIZER_FILE).is_file():
-        raise DataError(f"--tokenizer hf:{source}: no {HF_TOKENIZER_FILE} in that folder")
-    for name in (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, folder / name)
-    return HFTokenizer(folder / HF_TOKENIZER_FILE)
-
-
 def train_sentencepiece(
     documents: Iterable[str],
     vocab_size: int,
@@ -159,8 +149,6 @@ def train_sentencepiece(
     modern decoder LMs use, on the first `sample_sentences` non-blank lines of `documents` (a
     caller passes a sample of its corpus), and write it to `model_file`."""
     import sentencepiece as spm
-
-    from input_pipeline.documents import nonblank_lines
 
     if vocab_size < MIN_SENTENCEPIECE_VOCAB:
         raise DataError(
@@ -206,8 +194,14 @@ def make_tokenizer(
     `hf:PATH`); its model file is trained or copied into `folder`, which holds the new dataset."""
     if choice == "byte":
         return ByteTokenizer()
-    if choice.startswith(HF_PREFIX):
-        return copy_hf_tokenizer(choice[len(HF_PREFIX) :], folder)
+    if choice.startswith(HF_PREFIX):  # tokenizer.json, and tokenizer_config.json if there
+        source = Path(choice[len(HF_PREFIX) :])
+        if not (source / HF_TOKENIZER_FILE).is_file():
+            raise DataError(f"--tokenizer hf:{source}: no {HF_TOKENIZER_FILE} in that folder")
+        for name in (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, folder / name)
+        return HFTokenizer(folder / HF_TOKENIZER_FILE)
     target = folder / SENTENCEPIECE_FILE
     if choice == "sentencepiece":
         if not vocab_size:

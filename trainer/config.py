@@ -89,17 +89,12 @@ class DataConfig(_Section):
     @property
     def resolved_max_docs_per_row(self) -> int:
         """The bound on documents per row that the packers apply and the attention kernel is
-        built for: `max_docs_per_row`, or for auto `auto_max_docs_per_row(seq_len)`."""
+        built for. auto: room for documents averaging 64 tokens, plus 4 for their spread; the
+        padding it adds stays under 0.2% on the built-in corpus and on short sentences at
+        seq_len 256-2048 (BENCHMARKS.md), while each unit costs the cuDNN kernel workspace."""
         if self.max_docs_per_row == "auto":
-            return auto_max_docs_per_row(self.seq_len)
+            return -(-self.seq_len // 64) + 4
         return self.max_docs_per_row
-
-
-def auto_max_docs_per_row(seq_len: int) -> int:
-    """`data.max_docs_per_row=auto`: room for documents averaging 64 tokens, plus 4 for their
-    spread; padding it adds stays under 0.2% on the built-in corpus and on short sentences at
-    seq_len 256-2048 (BENCHMARKS.md), while each unit costs the cuDNN kernel workspace."""
-    return -(-seq_len // 64) + 4
 
 
 class ModelConfig(_Section):
@@ -427,10 +422,6 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _valid_keys(section: type[BaseModel]) -> list[str]:
-    return [f.alias or name for name, f in section.model_fields.items()]
-
-
 def _section_at(loc: tuple) -> type[BaseModel] | None:
     """Schema class that owns the key at `loc` (None for free-form dict fields)."""
     section: type[BaseModel] = Config
@@ -450,14 +441,13 @@ def _describe(err: pydantic.ValidationError) -> str:
     key = ".".join(loc)
     if first["type"] == "extra_forbidden":
         section = _section_at(loc)
-        valid = _valid_keys(section) if section else []
-        prefix = ".".join(loc[:-1])
-        dotted = [f"{prefix}.{v}" if prefix else v for v in valid]
+        valid = [f.alias or name for name, f in section.model_fields.items()] if section else []
+        prefix = "".join(f"{part}." for part in loc[:-1])
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         if close:
-            hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+            hint = f"did you mean {prefix}{close[0]}?"
         else:
-            hint = "valid keys: " + ", ".join(dotted)
+            hint = "valid keys: " + ", ".join(prefix + key for key in valid)
         return f"unknown key {key}; {hint}"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "value_error":  # our own validators already name their keys

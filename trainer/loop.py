@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from trainer.observe.watchdog import Watchdog
 from trainer.parallel.state import TrainState
 from trainer.preemption import StopRequest
 from trainer.program import StepMetrics, TrainProgram
+from trainer.step import Batch
 
 # Steps whose metrics may stay unread after a dispatch: the device runs them while the host
 # prepares the next one. A step's metrics are read once it has finished, or when more than this
@@ -43,43 +44,6 @@ class RunResult:
     step: int
     last_metrics: dict[str, float] = field(default_factory=dict)
     eval_loss: float | None = None
-
-
-def evaluate(config: Config, sources: DataSources, program: TrainProgram, state) -> float:
-    """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
-    loss_sum, weight = 0.0, 0.0
-    feed = DeviceFeed(
-        iter(sources.make_eval()), program.batch_sharding, config.data.prefetch, sources.feeders
-    )
-    with feed:
-        for i, (batch, _) in enumerate(feed):
-            if i >= config.eval.steps:
-                break
-            out = jax.device_get(program.eval_step(state, batch))
-            loss_sum += float(out["loss_sum"])
-            weight += float(out["weight"])
-    if weight == 0:
-        raise ConfigError(
-            f"the eval data of {sources.description} yields no batch; lower "
-            "data.global_batch_size or data.seq_len, or pass more eval data"
-        )
-    return loss_sum / weight
-
-
-def evaluate_sources(
-    config: Config, sources: DataSources, program: TrainProgram, state
-) -> dict[str, float]:
-    """`eval_loss`; for a mixture also each source's `eval_loss_<name>`, and as `eval_loss` the
-    mixture's expected loss: the sources' losses weighted by their mixture weights."""
-    if not sources.make_evals:
-        return {"eval_loss": evaluate(config, sources, program, state)}
-    losses = {
-        f"eval_loss_{name}": evaluate(config, replace(sources, make_eval=make), program, state)
-        for name, (_, make) in sources.make_evals.items()
-    }
-    weights = {name: weight for name, (weight, _) in sources.make_evals.items()}
-    mean = sum(losses[f"eval_loss_{n}"] * w for n, w in weights.items()) / sum(weights.values())
-    return {"eval_loss": mean, **losses}
 
 
 @dataclass
@@ -172,7 +136,16 @@ class Loop:
         with self.goodput.timing("checkpoint"):
             self.checkpointer.wait()  # saves still being written hold up the end of the run
         if jax.process_index() == 0 and result.step > start_step:  # else the last one stays
-            summary = self.summary(start_step, progress)
+            summary = session_summary(
+                self.goodput,
+                start_step=start_step,
+                end_step=result.step,
+                tokens=progress.tokens_seen,
+                flops_per_token=self.flops_per_token,
+                peak_tflops=self.peak_tflops,
+                last_metrics=result.last_metrics,
+                eval_loss=result.eval_loss,
+            )
             self.writer.message(format_summary(summary))
             if problem := write_summary(Path(self.config.run.workdir), summary):
                 self.writer.message(problem)
@@ -229,7 +202,7 @@ class Loop:
                         self._read_finished(pending, progress, keep=0, last=stop.requested)
                 if evaluating and self.sources.make_eval is not None:
                     with timing("eval"), watch("eval"):
-                        losses = evaluate_sources(config, self.sources, self.program, state)
+                        losses = self._eval_losses(state)
                     result.eval_loss = losses["eval_loss"]
                     self.writer.write(step, losses)
                 if evaluating and self.sampler is not None:
@@ -250,18 +223,41 @@ class Loop:
                 f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
             )
 
-    def summary(self, start_step: int, progress: Progress) -> dict[str, Any]:
-        """This session's goodput breakdown, throughput, MFU and peak memory."""
-        return session_summary(
-            self.goodput,
-            start_step=start_step,
-            end_step=progress.result.step,
-            tokens=progress.tokens_seen,
-            flops_per_token=self.flops_per_token,
-            peak_tflops=self.peak_tflops,
-            last_metrics=progress.result.last_metrics,
-            eval_loss=progress.result.eval_loss,
+    def _eval_losses(self, state: TrainState) -> dict[str, float]:
+        """`eval_loss`; for a mixture also each source's `eval_loss_<name>`, and as `eval_loss`
+        the mixture's expected loss: the sources' losses weighted by their mixture weights."""
+        if not self.sources.make_evals:
+            return {"eval_loss": self._eval_loss(self.sources.make_eval, state)}
+        losses = {
+            f"eval_loss_{name}": self._eval_loss(make, state)
+            for name, (_, make) in self.sources.make_evals.items()
+        }
+        weights = {name: weight for name, (weight, _) in self.sources.make_evals.items()}
+        mean = sum(losses[f"eval_loss_{n}"] * w for n, w in weights.items()) / sum(weights.values())
+        return {"eval_loss": mean, **losses}
+
+    def _eval_loss(self, make_eval: Callable[[], Iterable[Batch]], state: TrainState) -> float:
+        """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
+        loss_sum, weight = 0.0, 0.0
+        feed = DeviceFeed(
+            iter(make_eval()),
+            self.program.batch_sharding,
+            self.config.data.prefetch,
+            self.sources.feeders,
         )
+        with feed:
+            for i, (batch, _) in enumerate(feed):
+                if i >= self.config.eval.steps:
+                    break
+                out = jax.device_get(self.program.eval_step(state, batch))
+                loss_sum += float(out["loss_sum"])
+                weight += float(out["weight"])
+        if weight == 0:
+            raise ConfigError(
+                f"the eval data of {self.sources.description} yields no batch; lower "
+                "data.global_batch_size or data.seq_len, or pass more eval data"
+            )
+        return loss_sum / weight
 
     def _check_finite(self, step: int, metrics: dict[str, float]) -> None:
         if "loss_scale" in metrics and metrics["skipped"]:

@@ -23,26 +23,21 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._stopping = False
+        self.requested = False  # the loop decided (at the last `at_step`) to save and stop
         self._multihost = jax.process_count() > 1
         self._previous: dict[int, object] = {}
 
-    @property
-    def requested(self) -> bool:
-        """Whether the loop decided (at the last `at_step`) to save and stop."""
-        return self._stopping
-
     def at_step(self, step: int) -> bool:
         """Decide whether `step` is the last one; call it exactly once per step on every process."""
-        if self._stopping:
+        if self.requested:
             return True
         if self._multihost:
-            self._stopping = multihost_utils.reached_preemption_sync_point(step)
-            if self._stopping and self.signal_name is None:
+            self.requested = multihost_utils.reached_preemption_sync_point(step)
+            if self.requested and self.signal_name is None:
                 self.signal_name = "SIGTERM"  # seen by JAX's notifier here or on another host
         else:
-            self._stopping = self.signal_name is not None
-        return self._stopping
+            self.requested = self.signal_name is not None
+        return self.requested
 
     def _handle(self, signum: int, _frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:

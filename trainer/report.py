@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from trainer.config import RunConfig
+from trainer.observe.goodput import BUCKETS
 
 USAGE_EXIT = 2
 DEFAULT_NAME = RunConfig().name  # says nothing about the run: the folder name does
@@ -28,7 +29,6 @@ CURVES = (  # metrics.jsonl key, panel title
     ("data_wait_frac", "data wait fraction"),
     ("step_time_s", "step time (s)"),
 )
-SHARES = ("compile", "step", "data_wait", "checkpoint", "eval", "other")
 
 
 class ReportError(ValueError):
@@ -70,7 +70,7 @@ def run_name(workdir: str | Path) -> str:
     return name if isinstance(name, str) and name and name != DEFAULT_NAME else workdir.name
 
 
-def load_run(workdir: str | Path, label: str | None = None) -> RunLog:
+def load_run(workdir: str | Path, label: str) -> RunLog:
     workdir = Path(workdir)
     path = workdir / "metrics.jsonl"
     if not path.is_file():
@@ -88,7 +88,7 @@ def load_run(workdir: str | Path, label: str | None = None) -> RunLog:
     if not train:
         raise ReportError(f"{path} holds no training lines yet; wait for the first log.every step")
     return RunLog(
-        label=label or run_name(workdir),
+        label=label,
         workdir=workdir,
         train=train,
         evals=[r for r in rows if "eval_loss" in r],
@@ -126,7 +126,7 @@ def text_summary(run: RunLog) -> str:
         lines.append(f"  mean tokens/s {sum(speeds) / len(speeds):.4g}")
     if run.summary:
         shares = run.summary.get("fractions", {})
-        text = ", ".join(f"{k} {100 * shares[k]:.0f}%" for k in SHARES if k in shares)
+        text = ", ".join(f"{k} {100 * shares[k]:.0f}%" for k in BUCKETS if k in shares)
         lines.append(f"  time (last session, {run.summary.get('wall_s', 0):.0f} s): {text}")
     return "\n".join(lines)
 
@@ -174,8 +174,8 @@ def _draw_shares(ax, runs: list[RunLog], plt) -> None:
         ax.set_axis_off()
         return
     colors = plt.get_cmap("tab10").colors
-    for j, bucket in enumerate(SHARES):
-        left = [sum(r.summary["fractions"].get(b, 0.0) for b in SHARES[:j]) for r in finished]
+    for j, bucket in enumerate(BUCKETS):
+        left = [sum(r.summary["fractions"].get(b, 0.0) for b in BUCKETS[:j]) for r in finished]
         width = [r.summary["fractions"].get(bucket, 0.0) for r in finished]
         ax.barh([r.label for r in finished], width, left=left, color=colors[j], label=bucket)
     ax.set_xlim(0, 1)

@@ -56,9 +56,6 @@ class StepSettings:
     scaling: LossScaling | None = None  # float16 compute only; None compiles no scaling code
     offload: Offload | None = None  # host-resting state leaves; None compiles no copies
 
-    def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
-        return nnx.merge(self.graphdef, params, model_state)
-
 
 def train_step(
     settings: StepSettings, state: TrainState, batch: Batch
@@ -128,7 +125,7 @@ def eval_step(settings: StepSettings, state: TrainState, batch: Batch) -> Metric
     """Weighted loss sums, so an eval over several batches averages every token once."""
     if settings.offload is not None:
         state = settings.offload.to_device(state)  # parameters; the unused rest is never copied
-    model = settings.merge(state.params, state.model_state)
+    model = nnx.merge(settings.graphdef, state.params, state.model_state)
     model.eval()  # evaluation drops nothing (`deterministic` modules, e.g. model.dropout)
     loss, aux = settings.loss_fn(model, batch)
     weight = _weight(aux, batch)
@@ -171,7 +168,7 @@ def _weighted_grads(settings: StepSettings, params, model_state, batch: Batch, l
 
 def _loss_and_state(params, model_state, batch: Batch, loss_scale, settings: StepSettings):
     """What the backward pass differentiates, and (loss, weight, new model state) beside it."""
-    model = settings.merge(params, model_state)
+    model = nnx.merge(settings.graphdef, params, model_state)
     loss, aux = settings.loss_fn(model, batch)
     new_model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     weight = _weight(aux, batch)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.hf import hf_folder
 
 SUPPORTED_TYPES = ("llama", "mistral")
 CONFIG_FILE = "config.json"
@@ -96,8 +97,6 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 def fill_model_section(tree: dict[str, Any]) -> dict[str, Any]:
     """With `checkpoint.init_from=hf:PATH`, unset `model.*` keys come from its config.json."""
-    from trainer.hf import hf_folder
-
     checkpoint = tree.get("checkpoint")
     init_from = checkpoint.get("init_from") if isinstance(checkpoint, dict) else None
     folder = hf_folder(init_from if isinstance(init_from, str) else None)

@@ -311,32 +311,24 @@ def _numeric_probe(kernel: str, dtype, head_dim: int, block: int) -> str | None:
     ids = ids.astype(np.int32)
     mask = (ids[:, None, :, None] == ids[:, None, None, :]) & np.tri(length, dtype=bool)
 
-    def candidate(mode: str):
-        if kernel == "pallas":
-            return lambda q, k, v, ids: pallas_attention(q, k, v, ids, sharded=False)
-        return lambda q, k, v, ids: cudnn_packed_attention(
-            q, k, v, document_spans(ids, 4), repeat_kv=mode == "repeat_kv"
-        )
-
     def compare(q, k, v, cotangent, ids, mode):
+        def candidate(q, k, v):
+            q, k, v = (x.astype(dtype) for x in (q, k, v))
+            if kernel == "pallas":
+                return pallas_attention(q, k, v, ids, sharded=False)
+            spans = document_spans(ids, 4)
+            return cudnn_packed_attention(q, k, v, spans, repeat_kv=mode == "repeat_kv")
+
         want = _outputs_and_grads(
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask), q, k, v, cotangent
         )
-        attention = functools.partial(candidate(mode), ids=ids)
-        got = _outputs_and_grads(
-            lambda q, k, v: attention(q.astype(dtype), k.astype(dtype), v.astype(dtype)),
-            q,
-            k,
-            v,
-            cotangent,
-        )
-        return want, got
+        return want, _outputs_and_grads(candidate, q, k, v, cotangent)
 
+    close = functools.partial(np.allclose, atol=4 * _PROBE_TOLERANCE, rtol=_PROBE_TOLERANCE)
     for mode in ("native",) if kernel == "pallas" else ("native", "repeat_kv"):
         # compiled and run outside whatever trace asks (the first forward pass of a step)
         run = jax.jit(functools.partial(compare, mode=mode))
         want, got = run.lower(q, k, v, cotangent, ids).compile()(q, k, v, cotangent, ids)
-        close = functools.partial(np.allclose, atol=4 * _PROBE_TOLERANCE, rtol=_PROBE_TOLERANCE)
         if all(close(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True)):
             return mode
     return None

@@ -174,8 +174,7 @@ class Attention(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
-        self.head_dim, self.rope_theta = spec.head_dim, spec.rope_theta
-        self.attention, self.compute_dtype = spec.attention, spec.compute_dtype
+        self.head_dim, self.compute_dtype = spec.head_dim, spec.compute_dtype
         self.dropout_rate = spec.dropout
         # a forced kernel that cannot run here fails at build, not at the first step's compile
         check_requested(spec.attention, spec.compute_dtype, spec.head_dim)

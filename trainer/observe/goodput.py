@@ -152,7 +152,7 @@ def session_summary(
     """What `<workdir>/summary.json` holds: this process's session only (a resumed run reports
     the steps since it resumed), its time per bucket, throughput, MFU and peak memory."""
     seconds, wall = goodput.seconds(), goodput.wall_s()
-    steps = max(end_step - start_step, 0)
+    fractions = {k: v / wall if wall > 0 else 0.0 for k, v in seconds.items()}
     step_tokens_per_s = tokens / seconds["step"] if seconds["step"] > 0 else None
     mfu = None
     if peak_tflops and step_tokens_per_s:
@@ -161,11 +161,11 @@ def session_summary(
         "session": "this process's session only; a resumed run counts from its resume step",
         "start_step": start_step,
         "end_step": end_step,
-        "steps": steps,
+        "steps": max(end_step - start_step, 0),
         "wall_s": wall,
         "seconds": seconds,
-        "fractions": {k: v / wall if wall > 0 else 0.0 for k, v in seconds.items()},
-        "goodput": seconds["step"] / wall if wall > 0 else 0.0,
+        "fractions": fractions,
+        "goodput": fractions["step"],
         "tokens": tokens,  # what the loss averaged over: padding excluded
         "tokens_per_s": step_tokens_per_s,  # while stepping: the model's speed
         "tokens_per_s_wall": tokens / wall if wall > 0 else None,  # what the session delivered

@@ -106,7 +106,7 @@ class MetricsWriter:
 
     def text(self, step: int, tag: str, text: str) -> None:
         """A piece of text in TensorBoard's Text tab (e.g. a sampled continuation)."""
-        if self.enabled and self._tb is not None:
+        if self._tb is not None:
             self._tb.add_text(tag, text, step)
 
     def message(self, text: str) -> None:

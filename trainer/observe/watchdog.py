@@ -62,7 +62,7 @@ class Watchdog:
         self.durations: list[float] = []  # seconds between this session's completed steps
         self._last_beat: float | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # watching while the `with` block runs
 
     # ---------------------------------------------------------------- what the loop calls
 
@@ -102,22 +102,15 @@ class Watchdog:
 
     # ---------------------------------------------------------------- the thread
 
-    def start(self) -> Watchdog:
+    def __enter__(self) -> Watchdog:
         self.since = self.clock()
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def __enter__(self) -> Watchdog:
-        return self.start()
-
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):

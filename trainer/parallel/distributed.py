@@ -58,9 +58,7 @@ def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) 
 
 
 def _explicit(environ: Mapping[str, str], timeouts: dict[str, int]) -> ClusterSpec | None:
-    address = environ.get("JAX_COORDINATOR_ADDRESS")
-    if not address:
-        return None
+    address = environ["JAX_COORDINATOR_ADDRESS"]
     if ":" not in address:
         raise ConfigError(
             f"JAX_COORDINATOR_ADDRESS={address!r} has no port; use host:port of process 0"
@@ -96,9 +94,8 @@ def cluster_from_env(environ: Mapping[str, str] = os.environ) -> ClusterSpec | N
         "heartbeat_timeout_s": _int_var(environ, "JAX_HEARTBEAT_TIMEOUT_S", HEARTBEAT_TIMEOUT_S),
         "shutdown_timeout_s": _int_var(environ, "JAX_SHUTDOWN_TIMEOUT_S", SHUTDOWN_TIMEOUT_S),
     }
-    explicit = _explicit(environ, timeouts)
-    if explicit is not None or environ.get("JAX_COORDINATOR_ADDRESS"):
-        return explicit
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return _explicit(environ, timeouts)
     if _slurm_multi_task(environ):
         return ClusterSpec("slurm", **timeouts)
     if environ.get("JAX_DISTRIBUTED_AUTO", "").lower() in ("1", "true", "yes"):
@@ -116,11 +113,8 @@ def describe(spec: ClusterSpec) -> str:
 
 
 def initialize(spec: ClusterSpec) -> None:
-    """`jax.distributed.initialize` with our timeouts.
-
-    The runtime itself aborts the process (non-zero exit) when the coordinator cannot be reached
-    within the init timeout or a peer stops beating; the line printed first says what was tried.
-    """
+    """`jax.distributed.initialize` with our timeouts, after a line saying what it tries (the
+    runtime aborts the process when that fails: see the module docstring)."""
     import jax  # after the environment is read: importing jax starts no backend
 
     print(
@@ -146,10 +140,8 @@ def initialize(spec: ClusterSpec) -> None:
         ) from None
 
 
-def maybe_initialize(environ: Mapping[str, str] = os.environ) -> bool:
+def maybe_initialize(environ: Mapping[str, str] = os.environ) -> None:
     """Join the distributed runtime if the environment describes several processes."""
     spec = cluster_from_env(environ)
-    if spec is None:
-        return False
-    initialize(spec)
-    return True
+    if spec is not None:
+        initialize(spec)

@@ -73,10 +73,8 @@ def _check_host_memory(sharding: Sharding, key: str) -> None:
 
 @dataclass(frozen=True)
 class Offload:
-    """Moves a state's host-resting leaves in and out inside a jitted step: a compute-dtype copy of
-    the parameters for the forward and backward passes (`forward_params`, `widen`), the rest for
-    the update only once the gradients exist (`to_device(after=grads)`), and the updated leaves
-    back out (`to_host`), so between steps, and while activations are alive, they take no device
+    """Moves a state's host-resting leaves in and out inside a jitted step (what comes in when:
+    the module docstring), so between steps and while activations are alive they take no device
     memory."""
 
     shardings: TrainState  # the at-rest shardings (`at_rest`) the step is jitted with

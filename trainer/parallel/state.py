@@ -48,36 +48,21 @@ class ModelSkeleton:
         return nnx.merge(self.graphdef, params, model_state)
 
 
-def _pure(state: nnx.State) -> PyTree:
-    return nnx.to_pure_dict(state)
-
-
 def _logical_specs(state: nnx.State) -> PyTree:
-    specs = nnx.get_partition_spec(state)
-    return _pure(
-        jax.tree.map(
-            lambda v: v.get_value() if isinstance(v, nnx.Variable) else v,
-            specs,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
-    )
+    return nnx.to_pure_dict(nnx.get_partition_spec(state))
 
 
 def abstract_model(
     build: Callable[..., nnx.Module], mesh: Mesh, rules
 ) -> tuple[ModelSkeleton, PyTree, PyTree]:
     """Shapes, logical specs and shardings of a model, without allocating its weights."""
-    graphdefs = []
 
-    def shapes():
+    def split():
         with nnx.use_eager_sharding(False):
-            graphdef, params, rest = nnx.split(build(rngs=nnx.Rngs(0)), nnx.Param, ...)
-        graphdefs.append(graphdef)
-        return params, rest
+            return nnx.split(build(rngs=nnx.Rngs(0)), nnx.Param, ...)
 
     # jax.eval_shape, not nnx.eval_shape: the latter resolves logical names against the mesh.
-    params, rest = jax.eval_shape(shapes)
-    graphdef = graphdefs[0]
+    graphdef, params, rest = jax.eval_shape(split)  # a GraphDef is static: it comes out whole
     param_specs = _logical_specs(params)
     to_mesh = lambda spec: NamedSharding(mesh, sharding.logical_to_mesh(spec, rules))  # noqa: E731
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
@@ -87,7 +72,7 @@ def abstract_model(
         param_shardings=jax.tree.map(to_mesh, param_specs, is_leaf=is_spec),
         model_state_shardings=jax.tree.map(to_mesh, _logical_specs(rest), is_leaf=is_spec),
     )
-    return skeleton, _pure(params), _pure(rest)
+    return skeleton, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
 def state_shardings(
@@ -140,11 +125,11 @@ def make_init_fn(
         with nnx.use_eager_sharding(False):
             model = build(rngs=nnx.Rngs(seed))
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        params = _pure(params)
+        params = nnx.to_pure_dict(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            model_state=_pure(rest),
+            model_state=nnx.to_pure_dict(rest),
             opt_state=tx.init(params),
             loss_scale=None if scaling is None else scaling.init(),
         )
