@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from input_pipeline.errors import DataError
 from trainer.checkpoint import Checkpointer
-from trainer.config import Config
+from trainer.config import Config, DataConfig
 from trainer.errors import ConfigError, TrainingError
 from trainer.generate import run_tokenizer
 from trainer.hf.config import CONFIG_FILE
@@ -81,14 +81,14 @@ def write_hf_folder(out: Path, params: Any, config: Config, adapter: HfAdapter) 
     out.mkdir(parents=True)
     hf = adapter.config_json(config.model, config.model.vocab_size, config.precision.params)
     adapter.save_weights(params, out)
-    hf.update(_copy_tokenizer(config, out))
+    hf.update(_copy_tokenizer(config.data, out))
     (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     return out
 
 
-def _copy_tokenizer(config: Config, out: Path) -> dict[str, Any]:
+def _copy_tokenizer(data: DataConfig, out: Path) -> dict[str, Any]:
     """The dataset's tokenizer files copied into `out`; returns the special ids they name."""
-    tokenizer = run_tokenizer(config)
+    tokenizer = run_tokenizer(data)
     model_file = getattr(tokenizer, "model_file", None)
     if model_file is None:
         print(

@@ -27,7 +27,7 @@ from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer, Tokenizer, get_tokenizer
 from trainer.checkpoint import Checkpointer
-from trainer.config import Config, load_config
+from trainer.config import Config, DataConfig, load_config
 from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
 from trainer.hf.config import read_hf_config
@@ -188,16 +188,16 @@ def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) 
         )
     finally:
         checkpointer.close()
-    tokenizer = run_tokenizer(config)
+    tokenizer = run_tokenizer(config.data)
     return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer))
 
 
-def run_tokenizer(config: Config) -> Tokenizer | None:
+def run_tokenizer(data: DataConfig) -> Tokenizer | None:
     """The tokenizer recorded with the run's dataset, if that folder is still there."""
-    path = config.data.mixture[0].path if config.data.mixture else config.data.path
+    path = data.mixture[0].path if data.mixture else data.path
     folder = Path(path)
     if path in BUILTIN_CORPORA:
-        folder = builtin_dataset_dir(path, config.data.cache_dir)
+        folder = builtin_dataset_dir(path, data.cache_dir)
     if not (folder / "dataset.json").is_file():
         return None
     info = load_dataset_info(folder)

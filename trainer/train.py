@@ -68,7 +68,9 @@ def run(
         write_run_config(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
-            state, start_step = restore_or_init(config, checkpointer, program, spec, sources.train)
+            state, start_step = restore_or_init(
+                config.checkpoint.init_from, checkpointer, program, spec, sources.train
+            )
         writer = open_writer(config, start_step)
         announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
         with (
@@ -199,17 +201,18 @@ def run_metadata(
 
 
 def restore_or_init(
-    config: Config,
+    init_path: str | None,
     checkpointer: Checkpointer,
     program: TrainProgram,
     spec: ModelSpec,
     train_iter: Any,
 ) -> tuple[TrainState, int]:
     """Newest checkpoint that restores (state + data position), or a fresh sharded init.
-    Damaged checkpoints are moved aside; a run never starts afresh over them."""
+    Damaged checkpoints are moved aside; a run never starts afresh over them. Without either,
+    `init_path` (`checkpoint.init_from`) names the run or folder whose parameters start it."""
     if checkpointer.latest_step() is None and not checkpointer.damaged():
-        if config.checkpoint.init_from:
-            return init_from(config.checkpoint.init_from, program, spec), 0
+        if init_path:
+            return init_from(init_path, program, spec), 0
         return program.init(), 0
     target = program.abstract_state()
     step, (state, data_state) = checkpointer.restore_newest(
