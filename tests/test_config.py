@@ -125,3 +125,48 @@ def test_cli_mesh_that_does_not_match_devices_exits_2(repo_root, tmp_path):
     assert "mesh mesh.data=3, mesh.fsdp=1, mesh.tensor=1 needs 3 devices but 8 are present" in (
         proc.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["data.mixture=[{path: a, weight: 1, wieght: 2}]"],
+            "unknown key data.mixture[0].wieght; did you mean data.mixture[0].weight?",
+        ),
+        (["data.mixture=[{path: a}]"], "data.mixture[0].weight is required; add it"),
+        (["data.mixture=[]"], "data.mixture is an empty list; list at least one"),
+        (["optim=3"], "optim=3 is not a mapping of keys; write optim as {key: value, ...}"),
+        (["run.name=[oops"], "override run.name=[oops is not a valid YAML value; write lists"),
+        (["checkpoint.async=maybe"], "(got 'maybe'); use true or false"),
+        (["model.rope_scaling={type: linear, factor: abc}"], "rope_scaling.factor='abc' is not"),
+        (["model.rope_scaling={factor: 2}"], "model.rope_scaling has no type; add type: one of"),
+    ],
+)
+def test_malformed_values_name_the_key_and_the_fix(overrides, expected):
+    """Wrong shapes inside sections and lists: the key as the user wrote it, never a pydantic
+    class name or an empty list of valid keys, and never a traceback at train time."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+    assert "Config" not in message and "valid keys: ;" not in message
+
+
+def test_text_fields_keep_the_text_typed():
+    """`run.name=0123` names the run "0123" (YAML would read the octal 83); null stays null."""
+    config = load_config(
+        None, ["run.name=0123", "data.path=2024", "model.kind=yes", "checkpoint.init_from=null"]
+    )
+    assert (config.run.name, config.data.path, config.model.kind) == ("0123", "2024", "yes")
+    assert config.checkpoint.init_from is None
+    assert load_config(None, ["optim.lr=1e-2"]).optim.lr == pytest.approx(1e-2)
+
+
+def test_config_file_that_is_a_folder_or_not_text(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a folder; pass --config configs/<name>\.yaml$"):
+        load_config(tmp_path)
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x89PNG")
+    with pytest.raises(ConfigError, match="is not text .not UTF-8.; pass --config a YAML file"):
+        load_config(binary)

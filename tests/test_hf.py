@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from conftest import TINY
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from trainer.config import load_config
+from trainer.config import config_from_dict, load_config
 from trainer.errors import ConfigError
 from trainer.export import export_params
 from trainer.generate import load_generator, sample
@@ -115,6 +117,71 @@ def test_model_section_follows_config_json_unless_overridden():
         ).model.num_layers
         == 3
     )
+
+
+def damaged_copy(tmp_path: Path, damage) -> Path:
+    """A copy of the untied fixture folder that `damage(folder)` then breaks."""
+    folder = tmp_path / "model"
+    shutil.copytree(UNTIED, folder)
+    damage(folder)
+    return folder
+
+
+def edit_config(change):
+    def damage(folder):
+        hf = json.loads((folder / "config.json").read_text())
+        hf.update(change)
+        hf = {k: v for k, v in hf.items() if v is not DELETE}
+        (folder / "config.json").write_text(json.dumps(hf))
+
+    return damage
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda f: (f / "config.json").write_text("[1, 2]"), "holds a list, not a JSON object"),
+        (lambda f: (f / "config.json").write_bytes(b"\xf7\x00\x9c"), "cannot be read as text"),
+        (lambda f: (f / "config.json").write_text("{oops"), "is not valid JSON (Expecting"),
+        (edit_config({"hidden_size": DELETE}), "config.json hidden_size is missing"),
+        (edit_config({"num_hidden_layers": "two"}), "num_hidden_layers is 'two', not a positive"),
+        (edit_config({"rope_parameters": [8.0]}), "rope_parameters=[8.0] is not a JSON object"),
+        (edit_config({"rope_parameters": {"rope_theta": "big"}}), "rope_theta='big' is not a"),
+    ],
+    ids=["list", "binary", "bad_json", "no_hidden_size", "text_layers", "rope_list", "rope_text"],
+)
+def test_damaged_config_json_is_one_line_naming_the_file_or_field(tmp_path, damage, expected):
+    folder = damaged_copy(tmp_path, damage)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"checkpoint.init_from=hf:{folder}"])
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+    assert "restore the file the model came with" in message
+
+
+@pytest.mark.parametrize("size", [5, 20_000], ids=["header_cut", "tensors_cut"])
+def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path, size):
+    folder = damaged_copy(tmp_path, lambda f: os.truncate(f / "model.safetensors", size))
+    with pytest.raises(ConfigError) as info:
+        load_generator(f"hf:{folder}", devices=jax.devices()[:1])
+    message = str(info.value)
+    assert message.startswith(f"{folder / 'model.safetensors'} is damaged or truncated (")
+    assert message.endswith("); download the weights again") and "\n" not in message
+
+
+def test_a_saved_config_no_longer_needs_the_hf_folder(tmp_path):
+    """A run started from hf:PATH saves every model.* key, so export and generate rebuild its
+    model from the saved config after the folder has moved."""
+    folder = damaged_copy(tmp_path, lambda f: None)
+    config = load_config(None, [f"checkpoint.init_from=hf:{folder}"])
+    saved = config.to_dict()  # what a checkpoint's meta holds
+    shutil.rmtree(folder)
+    assert config_from_dict(saved) == config
+    with pytest.raises(ConfigError, match="no such folder; point it at a local Hugging Face"):
+        load_config(None, [f"checkpoint.init_from=hf:{folder}"])
 
 
 def test_sampling_cuts_to_the_top_tokens():

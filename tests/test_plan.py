@@ -195,6 +195,21 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, capsys):
     assert err.startswith(message) and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--device-memory", "0"], "error: --device-memory '0' is not a size"),
+        (["--device-memory", "0.0001kB"], "error: --device-memory '0.0001kB' is not a size"),
+        (["--max-tries", "-1"], "error: --max-tries -1 is negative; pass 0 or more"),
+    ],
+)
+def test_a_zero_budget_or_endless_search_is_bad_input(flags, message, capsys):
+    """A zero budget divided the fit line by zero; a negative --max-tries never stopped."""
+    assert main(["--config", TINY, "--devices", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
 @pytest.mark.slow
 def test_cli_prints_the_plan(repo_root):
     done = subprocess.run(

@@ -4,8 +4,10 @@ change them. Every user mistake becomes a one-line `ConfigError` that names the 
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import pydantic
 import yaml
@@ -67,6 +69,16 @@ class DataConfig(_Section):
     # Independent input streams per global batch (fixed = same batches on any process count);
     # unset: the process count of the run's first start, kept on resume.
     streams: int | None = Field(None, ge=1)
+
+    @field_validator("mixture")
+    @classmethod
+    def _mixture_has_sources(cls, value: Any) -> Any:
+        if value is not None and not value:  # an empty list would silently train on data.path
+            raise ValueError(
+                "data.mixture is an empty list; list at least one {path, weight} source, or "
+                "remove data.mixture to train on data.path"
+            )
+        return value
 
     @field_validator("max_docs_per_row", mode="before")
     @classmethod
@@ -166,7 +178,13 @@ ROPE_SCALING_KEYS = {
 
 
 def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """Checked here, not when the model is built: a bad value would stop a run mid-compile."""
     kind = scaling.get("type", scaling.get("rope_type"))
+    if kind is None:
+        raise ValueError(
+            f"model.rope_scaling has no type; add type: one of {sorted(ROPE_SCALING_KEYS)} "
+            "(or leave model.rope_scaling unset)"
+        )
     if kind not in ROPE_SCALING_KEYS:
         raise ValueError(
             f"model.rope_scaling type {kind!r} is not supported; use one of "
@@ -175,6 +193,13 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
     missing = [key for key in ROPE_SCALING_KEYS[kind] if key not in scaling]
     if missing:
         raise ValueError(f"model.rope_scaling of type {kind} needs {', '.join(missing)}")
+    for key in ROPE_SCALING_KEYS[kind]:
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(
+                f"model.rope_scaling.{key}={value!r} is not a positive number; set it as the "
+                "checkpoint's config.json does (e.g. factor: 8.0)"
+            )
 
 
 class MeshConfig(_Section):
@@ -389,10 +414,21 @@ def _validated(tree: dict[str, Any]) -> Config:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass --config configs/<name>.yaml")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass --config configs/<name>.yaml")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"config file {path} is not text (not UTF-8); pass --config a YAML file such as "
+            "configs/demo.yaml"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path} ({err.strerror}); check it") from None
+    try:
+        tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -408,7 +444,39 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {override!r} is not section.key=value; e.g. optim.lr=1e-3")
-    _set_dotted(tree, key, yaml.safe_load(raw) if raw.strip() else None)
+    _set_dotted(tree, key, _override_value(key, raw))
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """The YAML value of `raw`; for a text field (run.name, data.path) a number, bool or date
+    stays the text typed, so `run.name=0123` is the name "0123", not the octal number 83."""
+    if not raw.strip():
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(
+            f"override {key}={raw} is not a valid YAML value; write lists as [a, b] and "
+            "mappings as {k: v}, and quote the whole override for the shell"
+        ) from None
+    scalar = not isinstance(value, str | list | dict | None)  # a number, bool or date YAML typed
+    return raw.strip() if scalar and _is_text_field(key.split(".")) else value
+
+
+def _is_text_field(parts: list[str]) -> bool:
+    """Whether the schema types the dotted key `parts` as text (`str` or `str | None`)."""
+    section: Any = Config
+    for depth, part in enumerate(parts):
+        fields = {f.alias or name: f for name, f in section.model_fields.items()}
+        field = fields.get(part)
+        if field is None:
+            return False
+        if depth == len(parts) - 1:
+            return field.annotation in (str, str | None)
+        section = _model_in(field.annotation)
+        if section is None:
+            return False
+    return False
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -422,28 +490,50 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The schema class an annotation holds: `MixtureSource` in `list[MixtureSource] | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) in (list, Union):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
 def _section_at(loc: tuple) -> type[BaseModel] | None:
-    """Schema class that owns the key at `loc` (None for free-form dict fields)."""
-    section: type[BaseModel] = Config
+    """Schema class that owns the key at `loc` (None for free-form dict fields); list indices
+    (a `data.mixture` entry) stay in the list's item class."""
+    section: type[BaseModel] | None = Config
     for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
         field = section.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        section = _model_in(getattr(field, "annotation", None))
+        if section is None:
             return None
-        section = annotation
     return section
+
+
+def _dotted(loc: tuple) -> str:
+    """`("data", "mixture", 0, "path")` as `data.mixture[0].path`."""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else f"{'.' if key else ''}{part}"
+    return key
 
 
 def _describe(err: pydantic.ValidationError) -> str:
     """One line for the first problem: the dotted key, what is wrong, and the fix."""
     first = err.errors()[0]
-    loc = tuple(str(p) for p in first["loc"])
-    key = ".".join(loc)
+    loc = tuple(first["loc"])
+    key = _dotted(loc)
     if first["type"] == "extra_forbidden":
         section = _section_at(loc)
         valid = [f.alias or name for name, f in section.model_fields.items()] if section else []
-        prefix = "".join(f"{part}." for part in loc[:-1])
-        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        prefix = key[: -len(str(loc[-1]))]
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         if close:
             hint = f"did you mean {prefix}{close[0]}?"
         else:
@@ -452,6 +542,22 @@ def _describe(err: pydantic.ValidationError) -> str:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "value_error":  # our own validators already name their keys
         return message
+    if first["type"] == "missing":
+        return f"{key} is required; add it to the config"
     got = first.get("input")
+    if first["type"] == "model_type":  # pydantic names our class; the user wrote a section
+        return f"{key}={got!r} is not a mapping of keys; write {key} as {{key: value, ...}}"
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{key}: {message}{shown}"
+    fix = next((fix for kind, fix in _TYPE_FIXES.items() if first["type"].startswith(kind)), None)
+    return f"{key}: {message}{shown}" + (f"; {fix}" if fix else "")
+
+
+# The fix for a value of the wrong type, by pydantic error type prefix (numbers: the message
+# already says which kind).
+_TYPE_FIXES = {
+    "bool_": "use true or false",
+    "string_": "use text (quote it in YAML)",
+    "list_": "use a list, e.g. [a, b]",
+    "dict_": "use a mapping, e.g. {key: value}",
+    "tuple_": "use a list, e.g. [a, b]",
+}

@@ -42,8 +42,7 @@ def export_params(
     """Read the run's own saved config and checkpoint; write host numpy params to `out` (or, with
     `format="hf"`, a Hugging Face Llama folder)."""
     out = Path(out).absolute()
-    if out.exists():
-        raise TrainingError(f"{out} already exists; choose a new --out folder")
+    _check_writable(out)
     checkpointer, _ = Checkpointer.open_existing(workdir)
     try:
         _, (config, params) = checkpointer.restore_chosen(
@@ -60,6 +59,20 @@ def export_params(
     checkpointer_out.save(out, host_params)
     checkpointer_out.wait_until_finished()
     return out
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse an `out` that exists or cannot be created before any weight is read (the writers
+    would fail later, from their own threads)."""
+    if out.exists():
+        raise TrainingError(f"{out} already exists; choose a new --out folder")
+    try:
+        out.mkdir(parents=True)
+        out.rmdir()
+    except OSError as err:
+        raise TrainingError(
+            f"cannot create --out folder {out} ({err.strerror}); choose a writable folder"
+        ) from None
 
 
 def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple[Config, Any]:

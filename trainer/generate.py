@@ -56,8 +56,9 @@ class Generator:
         seed: int = 0,
     ) -> np.ndarray:
         """`max_new_tokens` ids after `prompt_ids` (cut after the end-of-text id, if known)."""
-        if not len(prompt_ids) or max_new_tokens < 1:
-            raise ConfigError("generation needs a prompt of at least one token and 1+ new tokens")
+        if not len(prompt_ids):
+            raise ConfigError("the prompt encodes to no tokens; give a --prompt with some text")
+        check_settings(max_new_tokens, temperature, top_k, top_p)
         graphdef, state = nnx.split(self.model)
         settings = (max_new_tokens, float(temperature), top_k, float(top_p))
         run = _compiled(graphdef, self.decoder, self.mesh, *settings)
@@ -72,6 +73,22 @@ class Generator:
         """The text a prompt continues with (needs the run's tokenizer)."""
         ids = self.generate(self.tokenizer.encode(prompt).tolist(), **settings)
         return self.tokenizer.decode(ids)
+
+
+def check_settings(max_new_tokens: int, temperature: float, top_k, top_p: float) -> None:
+    """One line naming a sampling setting that would fail to compile or silently sample wrong
+    (a negative temperature inverts the distribution; top-p 0 keeps no token)."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} is not a token count; pass 1 or more")
+    if not 0 <= temperature < math.inf:
+        raise ConfigError(
+            f"--temperature {temperature} is not a temperature; pass 0 (greedy) or a positive "
+            "number such as 0.8"
+        )
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"--top-k {top_k} is negative; pass 0 (no cut) or a count such as 50")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p {top_p} is outside (0, 1]; pass 1 (no cut) or e.g. 0.95")
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k, top_p: float):
@@ -228,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute", choices=["bfloat16", "float16", "float32"], default=None)
     args = parser.parse_args(argv)
     try:
+        check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        if not args.prompt:
+            raise ConfigError("--prompt is empty; give some text for the model to continue")
         generator = load_generator(args.workdir, args.step, args.compute)
         if generator.tokenizer is None:
             raise DataError(

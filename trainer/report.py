@@ -76,15 +76,15 @@ def load_run(workdir: str | Path, label: str) -> RunLog:
     if not path.is_file():
         what = "does not exist" if not workdir.exists() else "has no metrics.jsonl"
         raise ReportError(f"{workdir} {what}; pass the run.workdir of a run that logged a step")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a half-written last line of a killed run
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
+    lines = path.read_text(errors="replace").splitlines()  # damaged bytes: lines skipped
+    rows = [row for row in map(_metrics_row, lines) if row is not None]
     train = [r for r in rows if "loss" in r]
+    # a killed run half-writes only its last line: other lines that hold no step are damage
+    if not rows and any(line.strip() for line in lines[:-1]):
+        raise ReportError(
+            f"{path} holds no metrics line (a JSON object with step and loss); pass the "
+            "run.workdir of a run that logged a step"
+        )
     if not train:
         raise ReportError(f"{path} holds no training lines yet; wait for the first log.every step")
     return RunLog(
@@ -96,13 +96,36 @@ def load_run(workdir: str | Path, label: str) -> RunLog:
     )
 
 
-def _read_summary(path: Path) -> dict[str, Any] | None:
-    """The last finished session's summary; None while running, or if unreadable."""
+def _metrics_row(line: str) -> dict[str, Any] | None:
+    """One logged step, or None for a line that is not one (a half-written last line of a
+    killed run, damaged bytes)."""
     try:
-        summary = json.loads(path.read_text())
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    is_step = isinstance(row, dict) and type(row.get("step")) is int
+    return row if is_step else None
+
+
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    """The last finished session's summary; None while running, or if unreadable or not in the
+    shape a run writes (numbers for `wall_s` and each of `fractions`)."""
+    try:
+        summary = json.loads(path.read_text(errors="replace"))
     except (OSError, json.JSONDecodeError):
         return None
-    return summary if isinstance(summary, dict) else None
+    if not isinstance(summary, dict):
+        return None
+    fractions = summary.get("fractions", {})
+    numbers = [
+        summary.get("wall_s", 0),
+        *(fractions.values() if isinstance(fractions, dict) else [None]),
+    ]
+    return summary if all(_is_number(v) for v in numbers) else None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def load_runs(workdirs: list[str | Path]) -> list[RunLog]:
@@ -158,10 +181,31 @@ def render(runs: list[RunLog], out: str | Path) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     _draw_shares(share_ax, runs, plt)
+    out = image_path(out, fig.canvas.get_supported_filetypes())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    except OSError as err:
+        reason = "a parent is a file" if isinstance(err, FileExistsError) else err.strerror
+        raise ReportError(f"cannot write {out} ({reason}); pass --out a writable path") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def image_path(out: str | Path, formats: dict[str, str]) -> Path:
+    """Where the image goes: `out`, `out/report.png` for a folder, `out.png` without a suffix
+    (as matplotlib itself would write it); an unknown suffix is a one-line error."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    if out.is_dir():
+        return out / "report.png"
+    if not out.suffix:
+        return out.with_suffix(".png")
+    if out.suffix[1:].lower() not in formats:
+        raise ReportError(
+            f"--out {out}: matplotlib cannot write {out.suffix} files; use .png (or one of "
+            f"{', '.join(sorted(formats))})"
+        )
     return out
 
 
@@ -193,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = load_runs(args.workdirs)
+        for run in runs:
+            print(text_summary(run))
+        out = render(runs, args.out or Path(args.workdirs[0]) / "report.png")
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
-    for run in runs:
-        print(text_summary(run))
-    out = render(runs, args.out or Path(args.workdirs[0]) / "report.png")
     print(f"wrote {out}")
     return 0
 

@@ -20,21 +20,30 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """The folder's config.json, or a one-line error saying what the folder lacks."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
+        lacks = f"no {CONFIG_FILE} there" if Path(folder).is_dir() else "no such folder"
         raise ConfigError(
-            f"checkpoint.init_from=hf:{folder}: no {CONFIG_FILE} there; point it at a local "
+            f"checkpoint.init_from=hf:{folder}: {lacks}; point it at a local "
             "Hugging Face model folder (config.json + *.safetensors)"
         )
+    fix = "restore the file the model came with (download it again)"
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
+        raise ConfigError(
+            f"{path} is not valid JSON ({err.msg}, line {err.lineno}); {fix}"
+        ) from None
+    except (UnicodeDecodeError, OSError):
+        raise ConfigError(f"{path} cannot be read as text; {fix}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} holds a {type(hf).__name__}, not a JSON object; {fix}")
+    return hf
 
 
 def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """`(rope_theta, rope_scaling)` from either transformers' spelling; None: unscaled."""
-    params = dict(hf.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = params or dict(hf.get("rope_scaling") or {})
+    params = dict(_mapping(hf, "rope_parameters"))
+    theta = _real("rope_theta", params.pop("rope_theta", hf.get("rope_theta")), 1e4)
+    scaling = params or dict(_mapping(hf, "rope_scaling"))
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if kind == "default":
@@ -45,6 +54,17 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             "supported: default, linear, llama3"
         )
     return theta, {"type": kind, **scaling}
+
+
+def _mapping(hf: dict[str, Any], field: str) -> dict[str, Any]:
+    """An object field of config.json ({} when absent or null)."""
+    value = hf.get(field) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"config.json {field}={value!r} is not a JSON object; restore the file the model "
+            "came with"
+        )
+    return value
 
 
 def check_supported(hf: dict[str, Any]) -> None:
@@ -61,7 +81,7 @@ def check_supported(hf: dict[str, Any]) -> None:
         "hidden_act": hf.get("hidden_act", "silu") != "silu",
         # a window as long as the context changes nothing
         "sliding_window": hf.get("sliding_window") is not None
-        and hf["sliding_window"] < hf.get("max_position_embeddings", 0),
+        and _whole(hf, "sliding_window") < _whole(hf, "max_position_embeddings", 1),
     }
     for field, unsupported in problems.items():
         if unsupported:
@@ -75,34 +95,71 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The `model.*` values that reproduce a checkpoint's architecture."""
     check_supported(hf)
     theta, scaling = rope_settings(hf)
-    heads = int(hf["num_attention_heads"])
+    heads = _whole(hf, "num_attention_heads")
+    d_model = _whole(hf, "hidden_size")
     fields: dict[str, Any] = {
         "kind": "transformer",
-        "num_layers": int(hf["num_hidden_layers"]),
+        "num_layers": _whole(hf, "num_hidden_layers"),
         "num_heads": heads,
-        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "d_model": int(hf["hidden_size"]),
-        "d_ff": int(hf["intermediate_size"]),
-        "vocab_size": int(hf["vocab_size"]),
+        "num_kv_heads": _whole(hf, "num_key_value_heads", heads),
+        "d_model": d_model,
+        "d_ff": _whole(hf, "intermediate_size"),
+        "vocab_size": _whole(hf, "vocab_size"),
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "norm_eps": _real("rms_norm_eps", hf.get("rms_norm_eps"), 1e-6),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        "head_dim": _whole(hf, "head_dim", d_model // heads),
     }
     if hf.get("max_position_embeddings"):
-        fields["max_seq_len"] = int(hf["max_position_embeddings"])
+        fields["max_seq_len"] = _whole(hf, "max_position_embeddings")
     return fields
 
 
+# The `model.*` keys `model_fields` sets (max_seq_len where config.json has it).
+MODEL_KEYS = (
+    "kind", "num_layers", "num_heads", "num_kv_heads", "d_model", "d_ff", "vocab_size",
+    "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "head_dim", "max_seq_len",
+)  # fmt: skip
+
+
+def _whole(hf: dict[str, Any], field: str, default: int | None = None) -> int:
+    """A positive whole-number field of config.json (None or absent: `default`, if given)."""
+    value = hf.get(field)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "missing" if value is None else f"{value!r}, not a positive whole number"
+        raise ConfigError(
+            f"config.json {field} is {what}; a Llama config.json sets it (restore the file "
+            "the model came with)"
+        )
+    return value
+
+
+def _real(field: str, value: Any, default: float) -> float:
+    """A positive number field of config.json, `default` when absent or null."""
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(
+            f"config.json {field}={value!r} is not a positive number; restore the file the "
+            "model came with"
+        )
+    return float(value)
+
+
 def fill_model_section(tree: dict[str, Any]) -> dict[str, Any]:
-    """With `checkpoint.init_from=hf:PATH`, unset `model.*` keys come from its config.json."""
+    """With `checkpoint.init_from=hf:PATH`, unset `model.*` keys come from its config.json; a
+    config that sets them all (a run's saved config, read by export and generate) does not need
+    the folder any more."""
     checkpoint = tree.get("checkpoint")
     init_from = checkpoint.get("init_from") if isinstance(checkpoint, dict) else None
     folder = hf_folder(init_from if isinstance(init_from, str) else None)
     model = tree.get("model", {})
     if folder is None or not isinstance(model, dict):
         return tree  # not an import, or a malformed section the schema reports
+    if all(key in model for key in MODEL_KEYS):
+        return tree
     return {**tree, "model": {**model_fields(read_hf_config(folder)), **model}}
 
 

@@ -46,13 +46,11 @@ class SafetensorsFolder:
     """Every tensor of a folder's `*.safetensors` files (sharded or not), opened lazily."""
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"hf:{folder} has no *.safetensors files; download the weights")
-        self._files = [safe_open(str(f), framework="np") for f in files]
+        self._files = [_open_safetensors(f) for f in files]
         self._where = {name: f for f in self._files for name in f.keys()}  # noqa: SIM118
 
     def __contains__(self, name: str) -> bool:
@@ -64,6 +62,20 @@ class SafetensorsFolder:
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only the slice `index` of tensor `name` is read from disk."""
         return self._where[name].get_slice(name)[index]
+
+
+def _open_safetensors(path: Path) -> Any:
+    """One file opened lazily; a truncated or damaged one is a one-line error naming it (the
+    header is checked against the file's size on open)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="np")
+    except (SafetensorError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"{path} is damaged or truncated ({reason}); download the weights again"
+        ) from None
 
 
 def _read_block(

@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_size(args.device_memory or (str(known.memory) if known else "80GB"))
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} is not a device count; pass 1 or more")
+        if args.max_tries < 0:  # negative would never stop the search
+            raise ConfigError(f"--max-tries {args.max_tries} is negative; pass 0 or more")
         config = load_config(args.config, args.overrides)
         devices = cpu_devices(args.devices)
         base, target = _measure_base(config, devices, args)

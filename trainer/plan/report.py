@@ -21,11 +21,14 @@ _UNITS = {
 def parse_size(text: str) -> int:
     """`80GB`, `11GiB`, `512MB`, `1.5TB` or a plain byte count, as bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
+    size = 0
+    if match and match.group(2).lower() in _UNITS:
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size < 1:  # zero would divide the fit line by zero
         raise ConfigError(
             f"--device-memory {text!r} is not a size; use e.g. 80GB, 11GiB, 512MB or a byte count"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return size
 
 
 def format_bytes(n: float) -> str:
