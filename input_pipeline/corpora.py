@@ -70,8 +70,9 @@ def builtin_dataset_dir(name: str, cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir or default_cache_dir()) / f"{name}-byte-{version}"
 
 
-def resolve_dataset(path: str, cache_dir: str | Path | None = None) -> Path:
-    """A prepared dataset folder, or a built-in corpus name (prepared here on first use)."""
+def resolve_dataset(path: str, cache_dir: str | Path | None = None, key: str = "data.path") -> Path:
+    """A prepared dataset folder, or a built-in corpus name (prepared here on first use); `key`
+    is the config key that named it, for the error."""
     if path in BUILTIN_CORPORA:
         folder = builtin_dataset_dir(path, cache_dir)
         if not (folder / INFO_FILE).exists():
@@ -85,7 +86,11 @@ def resolve_dataset(path: str, cache_dir: str | Path | None = None) -> Path:
     folder = Path(path)
     if not folder.exists():
         raise DataError(
-            f"data.path={path} does not exist; give a folder made by python -m "
+            f"{key}={path} does not exist; give a folder made by python -m "
             f"input_pipeline.prepare or a built-in corpus ({', '.join(BUILTIN_CORPORA)})"
+        )
+    if not folder.is_dir():
+        raise DataError(
+            f"{key}={path} is a file; give the dataset folder that holds it ({folder.parent})"
         )
     return folder

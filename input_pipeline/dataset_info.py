@@ -86,6 +86,48 @@ class DatasetInfo:
         return int(self.split(name)["tokens"])
 
 
+TOKEN_DTYPES = ("|u1", "<u2", "<u4")  # what `records.token_dtype` writes
+KINDS = {int: "whole number", str: "string", dict: "JSON object", list: "list"}
+
+
+def check_fields(raw: Any, info_file: Path) -> None:
+    """Every field a run reads, present and of its type: a damaged or hand-edited `dataset.json`
+    fails here in one line naming the field, not as a KeyError deep in the pipeline."""
+    if not isinstance(raw, dict):
+        raise DataError(_bad_field(info_file, "the top level", raw, "JSON object"))
+    _field(info_file, raw, "vocab_size", int)
+    _field(info_file, _field(info_file, raw, "tokenizer", dict), "kind", str, "tokenizer.")
+    if _field(info_file, raw, "token_dtype", str) not in TOKEN_DTYPES:
+        raise DataError(_bad_field(info_file, "token_dtype", raw["token_dtype"], "|u1, <u2 or <u4"))
+    splits = _field(info_file, raw, "splits", dict)
+    _field(info_file, splits, "train", dict, "splits.")
+    for name in splits:
+        where = f"splits.{name}."
+        split = _field(info_file, splits, name, dict, "splits.")
+        for count in ("documents", "records", "tokens"):
+            _field(info_file, split, count, int, where)
+        for i, shard in enumerate(_field(info_file, split, "shards", list, where)):
+            shard = _field(info_file, {i: shard}, i, dict, f"{where}shards")
+            _field(info_file, shard, "file", str, f"{where}shards[{i}].")
+            _field(info_file, shard, "records", int, f"{where}shards[{i}].")
+
+
+def _field(info_file: Path, parent: dict, key: Any, kind: type, prefix: str = "") -> Any:
+    value = parent.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        name = f"{prefix}[{key}]" if isinstance(key, int) else f"{prefix}{key}"
+        raise DataError(_bad_field(info_file, name, value, KINDS[kind]))
+    return value
+
+
+def _bad_field(info_file: Path, name: str, value: Any, wanted: str) -> str:
+    found = "missing" if value is None else f"{json.dumps(value)[:40]}"
+    return (
+        f"{info_file}: {name} is {found}, not a {wanted} (damaged, or not written by prepare); "
+        "re-run python -m input_pipeline.prepare --overwrite"
+    )
+
+
 def sha256_of(path: Path) -> str:
     """Hex sha256 of a file, read block by block."""
     with open(path, "rb") as f:
@@ -106,7 +148,13 @@ def load_dataset_info(path: str | Path) -> DatasetInfo:
         raw = json.loads(info_file.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"{info_file} is not valid JSON ({err.msg}); re-run prepare") from None
+    check_fields(raw, info_file)
     info = DatasetInfo(path=path, raw=raw)
     if info.num_records("train") == 0:
         raise DataError(f"dataset {path} has an empty train split; prepare it from more text")
+    if "eval" in raw["splits"] and info.num_records("eval") == 0:
+        raise DataError(
+            f"dataset {path} has an eval split without tokens, which no eval can average; "
+            "re-run python -m input_pipeline.prepare --overwrite with longer held-out text"
+        )
     return info

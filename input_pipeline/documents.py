@@ -25,9 +25,14 @@ Piece = dict[str, Any]  # {"file", "start", "end", "eval"}: a byte range of one 
 
 def input_files(patterns: list[str], flag: str = "--input") -> list[Path]:
     """The sorted files the globs match; a one-line error when they match none."""
-    files = sorted({f for pattern in patterns for f in glob.glob(pattern, recursive=True)})
+    matches = {f for pattern in patterns for f in glob.glob(pattern, recursive=True)}
+    files = sorted(f for f in matches if not Path(f).is_dir())  # a folder holds no text itself
     if not files:
-        raise DataError(f"{flag} {' '.join(patterns)} matches no file; check the path or quoting")
+        folders = f" (only the folders {', '.join(sorted(matches))})" if matches else ""
+        raise DataError(
+            f"{flag} {' '.join(patterns)} matches no file{folders}; check the path or quoting, "
+            "and name files, e.g. 'corpus/*.txt' or 'corpus/**/*.jsonl'"
+        )
     for name in files:
         suffix = Path(name).suffix
         if suffix not in (".jsonl", ".parquet", *TEXT_SUFFIXES):
@@ -64,7 +69,24 @@ def piece_documents(piece: Piece, text_field: str = "text") -> Iterator[str]:
         return _jsonl_texts(path, piece["start"], piece["end"], text_field)
     if path.suffix == ".parquet":
         return _parquet_texts(path, text_field)
-    return iter([path.read_text(encoding="utf-8", errors="replace")])
+    return iter([_utf8_text(path)])
+
+
+def _utf8_text(path: Path) -> str:
+    """A text file's one document; bytes that are not UTF-8 are refused, never replaced, so a
+    binary or Latin-1 file cannot turn into replacement characters unnoticed."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(_not_utf8(path, err.start)) from None
+
+
+def _not_utf8(path: Path, byte: int) -> str:
+    return (
+        f"{path} is not UTF-8 text (byte {byte}); convert it (e.g. iconv -f latin1 -t utf-8) "
+        "or leave it out of --input"
+    )
 
 
 def _jsonl_texts(path: Path, start: int, end: int, text_field: str) -> Iterator[str]:
@@ -80,18 +102,36 @@ def _jsonl_texts(path: Path, start: int, end: int, text_field: str) -> Iterator[
             where, position = position, position + len(line)
             if not line.strip():
                 continue
-            try:
-                text = json.loads(line)[text_field]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise DataError(
-                    f"{path} (byte {where}) is not a JSON object with a {text_field!r} field; "
-                    "name the field with --text-field"
-                ) from None
-            yield text
+            yield _jsonl_text(path, where, line, text_field)
+
+
+def _jsonl_text(path: Path, where: int, line: bytes, text_field: str) -> str:
+    """The text of one JSONL line, or a one-line error saying what is wrong with that line."""
+    try:
+        value = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(_not_utf8(path, where + err.start)) from None
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"{path} (line at byte {where}) is not valid JSON ({err.msg}); fix or remove that line"
+        ) from None
+    if not isinstance(value, dict) or text_field not in value:
+        raise DataError(
+            f"{path} (byte {where}) is not a JSON object with a {text_field!r} field; "
+            "name the field with --text-field"
+        )
+    text = value[text_field]
+    if not isinstance(text, str):
+        raise DataError(
+            f"{path} (byte {where}): field {text_field!r} holds {type(text).__name__}, not text; "
+            "name the text field with --text-field, or fix that line"
+        )
+    return text
 
 
 def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
     """The text column, read a row group at a time so a large file never sits in memory."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -103,6 +143,12 @@ def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
         raise DataError(
             f"{path} has no column {text_field!r} (columns: {', '.join(columns)}); name the "
             "text column with --text-field"
+        )
+    kind = table.schema_arrow.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(
+            f"{path} column {text_field!r} holds {kind}, not text; name the text column with "
+            "--text-field"
         )
     for batch in table.iter_batches(columns=[text_field]):
         yield from (text for text in batch.column(0).to_pylist() if text is not None)

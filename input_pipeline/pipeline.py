@@ -204,7 +204,7 @@ def arrayrecord_pairs(
         per_read=min(MAX_READ_RECORDS, max(1, round(READ_TOKENS / max(1.0, mean_tokens)))),
         epoch_shift=epoch_shift,
     )
-    if reads.host_records == 0:
+    if reads.host_records == 0 and reading.num_epochs is None:  # a finite pass may be empty
         raise DataError(
             f"{info.path} {split} split has no records for data stream "
             f"{reading.process_index} of {reading.process_count}; prepare more data or set a "
@@ -222,9 +222,12 @@ def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.Ite
     (`reading.reader` auto/grain) or tf.data (`tfdata`)."""
     if reading.reader not in READERS:
         raise DataError(f"data.reader={reading.reader!r} is unknown; use one of {READERS}")
-    paths = host_shards(info, split, reading.process_index, reading.process_count)
+    finite = reading.num_epochs is not None  # an eval pass: a reader may get no shard
+    paths = host_shards(info, split, reading.process_index, reading.process_count, finite)
+    if not paths:
+        return grain.MapDataset.range(0).to_iter_dataset()
     if reading.reader == "tfdata":
-        return tfdata_records(paths, reading)
+        return tfdata_records(paths, reading, info.vocab_size)
     return grain_records(paths, info.vocab_size, reading)
 
 

@@ -47,7 +47,9 @@ from input_pipeline.shard_groups import (
     write_group,
 )
 from input_pipeline.staging import (
+    check_output_folder,
     finish,
+    make_folder,
     open_staging,
     part_groups,
     part_of,
@@ -90,7 +92,7 @@ def prepare_dataset(
     _check_options(output, overwrite, format, eval_fraction)
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    make_folder(staging)
     explicit = eval_documents is not None
     try:
         if tokenizer == "sentencepiece" and not isinstance(documents, Sequence):
@@ -194,6 +196,7 @@ def prepare_files(
 def _check_options(output: Path, overwrite: bool, format: str, eval_fraction: float) -> None:
     if (output / INFO_FILE).exists() and not overwrite:
         raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
+    check_output_folder(output)
     if format not in FORMATS:
         raise DataError(f"--format {format} is unknown; use one of {', '.join(FORMATS)}")
     if not 0.0 <= eval_fraction < 1.0:

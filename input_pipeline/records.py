@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -128,8 +129,16 @@ class CheckedSource:
         self.skip_log = str(skip_log) if skip_log else None
         self.starts = np.concatenate([[0], np.cumsum(records_per_shard)])
         self.shards = [self._open(path) for path in self.paths]
+        if self.shards and all(shard is None for shard in self.shards):
+            raise DataError(
+                f"all {len(self.paths)} shards of {Path(self.paths[0]).parent} this split reads "
+                f"(first {Path(self.paths[0]).name}) are corrupt or truncated; "
+                "data.skip_corrupt=true leaves nothing to read: restore them or re-run python -m "
+                "input_pipeline.prepare --overwrite"
+            )
         self._readers: list[ArrayRecordReader | None] = [None] * len(self.paths)  # read_many's
         self._lock = threading.Lock()
+        self._warned: set[str] = set()  # shards whose first skip was said on stderr
 
     def _open(self, path: str):
         try:
@@ -151,7 +160,7 @@ class CheckedSource:
         except RuntimeError as err:
             if not self.skip_corrupt:
                 raise DataError(_corrupt_message(self.paths[shard], err)) from None
-        log_skip(self.skip_log, {"shard": self.paths[shard], "record": int(index)})
+        log_skip(self.skip_log, {"shard": self.paths[shard], "record": int(index)}, self._warned)
         return None
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | None]:
@@ -192,9 +201,11 @@ class CheckedSource:
         self._lock = threading.Lock()
 
 
-def log_skip(skip_log: str | None, entry: dict[str, Any]) -> None:
+def log_skip(skip_log: str | None, entry: dict[str, Any], warned: set[str]) -> None:
     """Append one skipped record to `skip_log` as a JSON line: one `write` on an append-mode
-    file, so Grain's reader threads and worker processes can all report into it."""
+    file, so Grain's reader threads and worker processes can all report into it. A shard's first
+    skip (not yet in `warned`, the reader's own set) is also said on stderr: the metrics' count
+    alone is easy to miss."""
     if skip_log is None:
         return
     fd = os.open(skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -202,6 +213,14 @@ def log_skip(skip_log: str | None, entry: dict[str, Any]) -> None:
         os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:
         os.close(fd)
+    if entry["shard"] not in warned:
+        warned.add(entry["shard"])
+        print(
+            f"warning: skipping unreadable records of shard {entry['shard']} "
+            f"(data.skip_corrupt=true); listed in {skip_log}, counted as corrupt_records_skipped "
+            "in the metrics",
+            file=sys.stderr,
+        )
 
 
 def count_skipped(skip_log: Path) -> int:

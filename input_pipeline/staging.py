@@ -76,8 +76,34 @@ def open_staging(staging: Path, plan: dict[str, Any], shared: bool) -> None:
             )
         print(f"discarding {staging}: it was made with other inputs or options", file=sys.stderr)
         shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
+    make_folder(staging)
     write_json(plan_file, plan)  # parts starting together write the same plan
+
+
+def check_output_folder(output: Path) -> None:
+    """Refuse, before any work, an `--output` that is a file or a folder of someone's files:
+    publishing replaces the output folder, and only a dataset (`--overwrite`) or an empty
+    folder may be replaced."""
+    if output.exists() and not output.is_dir():
+        raise DataError(f"--output {output} is a file; name a folder for the dataset")
+    if output.is_dir() and not (output / INFO_FILE).exists():
+        held = sorted(p.name for p in output.iterdir())
+        if held:
+            raise DataError(
+                f"--output {output} is a folder that holds other files ({', '.join(held[:3])}"
+                f"{', ...' if len(held) > 3 else ''}), not a dataset; name a new or empty "
+                "folder, or move those files away"
+            )
+
+
+def make_folder(folder: Path) -> None:
+    """Create the working folder beside `--output`; one line when that place is not writable."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(
+            f"cannot create {folder} ({err.strerror}); name an --output in a writable folder"
+        ) from None
 
 
 def staged_tokenizer(
@@ -151,8 +177,17 @@ def finish(
 ) -> None:
     """Merge the finished groups into one dataset and publish it atomically."""
     splits = merge_groups(staging, count, recipe)
-    if not splits.get("train", {}).get("documents"):
-        raise DataError(f"no training documents for {output}; check the --input files")
+    train = splits.get("train", {})
+    if not train.get("records"):
+        what = "documents" if not train.get("documents") else "tokens (every document is empty)"
+        raise DataError(f"no training {what} for {output}; check the --input files")
+    held_out = splits.get("eval", {})
+    if held_out.get("documents") and not held_out.get("records"):
+        raise DataError(
+            f"the {held_out['documents']} held-out documents of {output} hold no next-token "
+            "pair (each is empty or one token); give longer held-out text (--eval-input), a "
+            "larger --eval-fraction, or --eval-fraction 0 for a dataset without evals"
+        )
     info = {
         "format": recipe.format,
         "tokenizer": tok.spec(),
@@ -172,12 +207,13 @@ def finish(
 def publish(tmp: Path, output: Path, overwrite: bool) -> None:
     """Move the finished folder into place; a concurrent winner is kept, not clobbered."""
     if output.exists():
+        check_output_folder(output)  # files may have appeared there while we prepared
         if overwrite:
             shutil.rmtree(output)
         elif (output / INFO_FILE).exists():
             shutil.rmtree(tmp)  # someone else finished the same dataset first
             return
         else:
-            shutil.rmtree(output)  # leftovers of an older, interrupted layout
+            output.rmdir()  # empty
     output.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, output)

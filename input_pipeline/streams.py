@@ -21,6 +21,13 @@ Batch = dict[str, np.ndarray]
 OpenStream = Callable[[int, int], Iterator[Batch]]  # (stream index, stream count) -> batches
 
 
+def blank_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    """All-padding rows in the batch contract: what an eval stream with no records yields."""
+    zeros = np.zeros((rows, seq_len), np.int32)
+    names = ("inputs", "targets", "segment_ids", "positions")
+    return {**{name: zeros for name in names}, "weights": np.zeros((rows, seq_len), np.float32)}
+
+
 def owned_streams(streams: int, process_index: int, process_count: int) -> range:
     """The streams process `process_index` reads; a one-line error when they do not split."""
     if streams % process_count:
@@ -43,7 +50,8 @@ class StreamBatches:
     Streams open lazily, so `set_state` from a checkpoint written with another stream count
     (when `data.streams` is unset) reopens them without first starting readers twice.
     `pad_exhausted` (eval): a finished stream yields zero-weight rows forever, so every process
-    runs the same number of steps and a padded row changes no sum.
+    runs the same number of steps and a padded row changes no sum; a stream with no records at
+    all (a split smaller than the stream count) yields `blank(streams)` from the start.
 
     Kept over Grain's `ElasticIterator`, which re-shards only an unpacked `MapDataset`.
     """
@@ -57,11 +65,13 @@ class StreamBatches:
         *,
         pinned: bool = True,
         pad_exhausted: bool = False,
+        blank: Callable[[int], Batch] | None = None,
     ):
         self._open_stream = open_stream
         self._process = (process_index, process_count)
         self._pinned = pinned
         self._pad_exhausted = pad_exhausted
+        self._blank = blank
         self._set_streams(streams)
 
     def _set_streams(self, streams: int) -> None:
@@ -93,10 +103,13 @@ class StreamBatches:
         except StopIteration:
             if not self._pad_exhausted:
                 raise
-            if stream not in self._last:
+            if stream in self._last:
+                last = self._last.pop(stream)
+                self._padding[stream] = {name: np.zeros_like(v) for name, v in last.items()}
+            elif self._blank is not None:
+                self._padding[stream] = self._blank(self.streams)
+            else:
                 raise DataError(f"data stream {stream} of {self.streams} yields no batch") from None
-            last = self._last.pop(stream)
-            self._padding[stream] = {name: np.zeros_like(v) for name, v in last.items()}
             return self._padding[stream]
         if self._pad_exhausted:
             self._last[stream] = batch

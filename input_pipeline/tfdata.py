@@ -27,7 +27,13 @@ import numpy as np
 
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
-from input_pipeline.tfrecords import FEATURE, SHUFFLE_RECORDS, tensorflow
+from input_pipeline.tfrecords import (
+    FEATURE,
+    SHUFFLE_RECORDS,
+    parse_example,
+    tensorflow,
+    wrong_example,
+)
 
 PARSE_BATCH = 256  # serialized records per vectorized parse_example call
 ANCHOR_COST_RATIO = 50  # seconds between anchors / seconds one anchor costs
@@ -60,8 +66,9 @@ def make_tf_dataset(paths: list[str], *, shuffle: bool, seed: int, num_epochs: i
     return batches.prefetch(autotune)
 
 
-def tfdata_records(paths: list[str], reading: Reading) -> TfDataRecords:
-    """This reader's TFRecord shards `paths` through tf.data (`data.reader=tfdata`)."""
+def tfdata_records(paths: list[str], reading: Reading, vocab_size: int) -> TfDataRecords:
+    """This reader's TFRecord shards `paths` through tf.data (`data.reader=tfdata`), token ids
+    checked against `vocab_size`."""
     if reading.skip_corrupt:
         raise DataError(
             "data.skip_corrupt=true is not supported by data.reader=tfdata (tf.data cannot "
@@ -73,7 +80,11 @@ def tfdata_records(paths: list[str], reading: Reading) -> TfDataRecords:
             "its own parallel reads; set data.workers=0 or use data.reader=grain"
         )
     return TfDataRecords(
-        paths, shuffle=reading.shuffle, seed=reading.seed, num_epochs=reading.num_epochs
+        paths,
+        vocab_size=vocab_size,
+        shuffle=reading.shuffle,
+        seed=reading.seed,
+        num_epochs=reading.num_epochs,
     )
 
 
@@ -81,9 +92,17 @@ class TfDataRecords(grain.IterDataset):
     """Shards `paths` read by tf.data, as a Grain source of decoded records whose iterator
     state restores exactly."""
 
-    def __init__(self, paths: list[str], *, shuffle: bool, seed: int, num_epochs: int | None):
+    def __init__(
+        self,
+        paths: list[str],
+        *,
+        vocab_size: int,
+        shuffle: bool,
+        seed: int,
+        num_epochs: int | None,
+    ):
         super().__init__()
-        self.paths = paths
+        self.paths, self.vocab_size = paths, vocab_size
         self.options = {"shuffle": shuffle, "seed": seed, "num_epochs": num_epochs}
 
     def __iter__(self) -> grain.DatasetIterator:
@@ -97,7 +116,8 @@ class _TfDataIterator(grain.DatasetIterator):
     def __init__(self, source: TfDataRecords):
         super().__init__()
         self._tf = tensorflow()
-        self._paths = source.paths
+        self._paths, self._vocab_size = source.paths, source.vocab_size
+        self._empty_rows_checked = False  # empty rows: empty int64 lists, or no `tokens` feature
         self._iterator = iter(make_tf_dataset(source.paths, **source.options))
         self._pending: collections.deque = collections.deque()  # records of the parsed batch
         self._anchor = ""
@@ -120,6 +140,7 @@ class _TfDataIterator(grain.DatasetIterator):
         except (self._tf.errors.DataLossError, self._tf.errors.InvalidArgumentError) as err:
             raise DataError(self._diagnose(err)) from None
         values, splits = values.numpy(), splits.numpy()
+        self._check(values, splits)
         rows = [values[start:end] for start, end in zip(splits[:-1], splits[1:], strict=True)]
         return [{"inputs": row[:-1], "targets": row[1:]} for row in rows]
 
@@ -155,13 +176,36 @@ class _TfDataIterator(grain.DatasetIterator):
             self._pending.popleft()
             self._since_anchor += 1
 
+    def _check(self, values: np.ndarray, splits: np.ndarray) -> None:
+        """What the vectorized parse lets through: ids outside the vocabulary, and records
+        without a `tokens` feature, which it reads as empty rows."""
+        outside = len(values) and (values.min() < 0 or values.max() >= self._vocab_size)
+        empty = not self._empty_rows_checked and bool((splits[1:] == splits[:-1]).any())
+        if outside or empty:
+            problem = self._wrong_example()
+            if problem is not None:
+                raise DataError(problem)
+            self._empty_rows_checked = True  # every empty row is an empty int64 list
+
+    def _wrong_example(self) -> str | None:
+        """The first record, in shard order, that is not one of our records."""
+        example = self._tf.train.Example
+        for path in self._paths:
+            for i, record in enumerate(self._tf.data.TFRecordDataset(path).as_numpy_iterator()):
+                _, problem = parse_example(example, record, self._vocab_size)
+                if problem is not None:
+                    return wrong_example(path, f"record {i}", problem)
+        return None
+
     def _diagnose(self, err: Exception) -> str:
         """tf.data names no file in its errors: re-read each shard alone to find the bad one."""
         for path in self._paths:
             try:
                 for _ in make_tf_dataset([path], shuffle=False, seed=0, num_epochs=1):
                     pass
-            except (self._tf.errors.DataLossError, self._tf.errors.InvalidArgumentError) as bad:
+            except self._tf.errors.InvalidArgumentError as bad:  # a feature of another type
+                return self._wrong_example() or _damaged(path, _reason(bad))
+            except self._tf.errors.DataLossError as bad:
                 return _damaged(path, _reason(bad))
         return _damaged(f"of {', '.join(self._paths)}", _reason(err))
 

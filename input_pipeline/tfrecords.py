@@ -56,11 +56,14 @@ def tfrecord_codec(dtype: np.dtype) -> Codec:
     return tf.io.TFRecordWriter, encode
 
 
-def host_shards(info: DatasetInfo, split: str, process_index: int, process_count: int) -> list:
+def host_shards(
+    info: DatasetInfo, split: str, process_index: int, process_count: int, finite: bool = False
+) -> list:
     """This reader's shard files: TFRecord has no random access, so readers (hosts or data
-    streams) split the split by whole shard."""
+    streams) split the split by whole shard. A `finite` pass (eval) leaves readers beyond the
+    shard count without one; training needs a shard for every reader."""
     paths = [str(p) for p in info.shard_paths(split)]
-    if len(paths) < process_count:
+    if len(paths) < process_count and not finite:
         raise DataError(
             f"{info.path} has {len(paths)} {split} shards for {process_count} readers (hosts, "
             "or data.streams); TFRecord data is split between readers by whole shard: re-run "
@@ -77,7 +80,11 @@ def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch
     skip_log = str(reading.skip_log) if reading.skip_log else None
     shard = functools.partial(
-        TFRecordShard, vocab_size=vocab_size, skip_corrupt=reading.skip_corrupt, skip_log=skip_log
+        TFRecordShard,
+        vocab_size=vocab_size,
+        skip_corrupt=reading.skip_corrupt,
+        skip_log=skip_log,
+        warned=set(),  # shared by this reader's shards of every epoch: one warning per file
     )
     shards = files.repeat(reading.num_epochs).map(shard)
     # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
@@ -99,12 +106,20 @@ class TFRecordShard(grain.IterDataset):
     custom because Grain's reader neither names a damaged file nor skips damaged records: damage
     becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip."""
 
-    def __init__(self, path: str, vocab_size: int, skip_corrupt: bool, skip_log: str | None):
+    def __init__(
+        self,
+        path: str,
+        vocab_size: int,
+        skip_corrupt: bool,
+        skip_log: str | None,
+        warned: set[str] | None = None,
+    ):
         super().__init__()
         self.path = path
         self.vocab_size = vocab_size
         self.skip_corrupt = skip_corrupt
         self.skip_log = skip_log
+        self.warned = set() if warned is None else warned
 
     def __iter__(self) -> grain.DatasetIterator:
         return _ShardIterator(self)
@@ -129,36 +144,59 @@ class _ShardIterator(grain.DatasetIterator):
             try:
                 record = next(self._records)
             except (ValueError, OverflowError, MemoryError):  # a cut or garbled length field
-                self._bad(offset, "truncated record or garbled length")
+                self._bad(offset, TRUNCATED)
                 raise StopIteration from None  # the rest of the shard cannot be framed
-            tokens, problem = self._parse(record)
+            tokens, problem = parse_example(self._example, record, self._shard.vocab_size)
             if problem is None:
                 return {"inputs": tokens[:-1], "targets": tokens[1:]}
             self._bad(offset, problem)
 
-    def _parse(self, record: bytes) -> tuple[np.ndarray, str | None]:
-        try:
-            features = self._example.FromString(record).features.feature
-        except Exception:  # protobuf's DecodeError type differs between its implementations
-            return np.empty(0, np.int32), "unparsable tf.train.Example"
-        if FEATURE not in features:
-            return np.empty(0, np.int32), f"no int64 {FEATURE!r} feature"
-        tokens = np.array(features[FEATURE].int64_list.value, dtype=np.int64)
-        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self._shard.vocab_size):
-            return tokens, f"token ids outside the vocabulary of {self._shard.vocab_size}"
-        return tokens.astype(np.int32), None
-
     def _bad(self, offset: int, problem: str) -> None:
         path = self._shard.path
         if not self._shard.skip_corrupt:
-            raise DataError(_damaged(path, f"{problem} at byte {offset}"))
-        log_skip(self._shard.skip_log, {"shard": path, "offset": offset})
+            raise DataError(
+                _damaged(path, f"{problem} at byte {offset}")
+                if problem in (UNPARSABLE, TRUNCATED)
+                else wrong_example(path, f"the record at byte {offset}", problem)
+            )
+        log_skip(self._shard.skip_log, {"shard": path, "offset": offset}, self._shard.warned)
 
     def get_state(self) -> dict[str, Any]:
         return self._records.get_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._records.set_state(state)
+
+
+UNPARSABLE = "unparsable tf.train.Example"
+TRUNCATED = "truncated record or garbled length"
+
+
+def parse_example(example: Any, record: bytes, vocab_size: int) -> tuple[np.ndarray, str | None]:
+    """A record's int32 tokens, or what keeps it from being one of our records: not a
+    `tf.train.Example` (`UNPARSABLE`), no int64 `tokens` feature, ids outside the vocabulary."""
+    try:
+        features = example.FromString(record).features.feature
+    except Exception:  # protobuf's DecodeError type differs between its implementations
+        return np.empty(0, np.int32), UNPARSABLE
+    if FEATURE not in features:
+        return np.empty(0, np.int32), f"has no {FEATURE!r} feature (it has: {', '.join(features)})"
+    kind = features[FEATURE].WhichOneof("kind")
+    if kind != "int64_list":
+        return np.empty(0, np.int32), f"holds {FEATURE!r} as a {kind}, not an int64_list"
+    tokens = np.array(features[FEATURE].int64_list.value, dtype=np.int64)
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        return tokens, f"holds token ids outside the vocabulary of {vocab_size}"
+    return tokens.astype(np.int32), None
+
+
+def wrong_example(path: str, where: str, problem: str) -> str:
+    """A readable record that is not ours: the fix is in how the data was written."""
+    return (
+        f"shard {path}: {where} {problem}; TFRecord data holds one tf.train.Example per record "
+        f"with an int64 {FEATURE!r} feature of token ids below dataset.json's vocab_size: write "
+        "it so, or re-run python -m input_pipeline.prepare --format tfrecord --overwrite"
+    )
 
 
 def _damaged(path: str, reason: str) -> str:

@@ -274,3 +274,101 @@ def test_bench_cli_reports_pipeline_and_raw_rates(dataset, capsys, repo_root):
     out = capsys.readouterr().out
     assert code == 0
     assert "tokens/s" in out and "first batch" in out and "raw ArrayRecord reads" in out
+
+
+def edited_copy(dataset, tmp_path, edit):
+    """A copy of the dataset whose dataset.json went through `edit(raw) -> raw`."""
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(dataset.path, copy)
+    raw = json.loads((copy / "dataset.json").read_text())
+    (copy / "dataset.json").write_text(json.dumps(edit(raw)))
+    return copy
+
+
+def without(raw, *keys):
+    *parents, last = keys
+    node = raw
+    for key in parents:
+        node = node[key]
+    del node[last]
+    return raw
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda raw: without(raw, "vocab_size"), "vocab_size is missing, not a whole number"),
+        (lambda raw: [raw], "the top level is .*, not a JSON object"),
+        (lambda raw: without(raw, "splits", "train"), "splits.train is missing"),
+        (lambda raw: {**raw, "token_dtype": "float32"}, 'token_dtype is "float32", not a \\|u1'),
+        (
+            lambda raw: without(raw, "splits", "eval", "shards", 0, "file"),
+            r"splits.eval.shards\[0\].file is missing",
+        ),
+        (lambda raw: {**raw, "tokenizer": "byte"}, 'tokenizer is "byte", not a JSON object'),
+    ],
+)
+def test_damaged_dataset_json_names_the_field(dataset, tmp_path, edit, message):
+    """Before: a KeyError or AttributeError traceback, or (no train split) a fix about evals."""
+    copy = edited_copy(dataset, tmp_path, edit)
+    with pytest.raises(DataError, match=f"dataset.json: {message}.*prepare --overwrite"):
+        load_dataset_info(copy)
+
+
+def test_an_eval_split_without_records_is_refused_when_loaded(dataset, tmp_path):
+    """Before: the run trained, then failed at its first eval."""
+
+    def empty_eval(raw):
+        raw["splits"]["eval"].update(records=0, tokens=0, shards=[])
+        return raw
+
+    with pytest.raises(DataError, match="eval split without tokens"):
+        load_dataset_info(edited_copy(dataset, tmp_path, empty_eval))
+
+
+def test_skip_corrupt_with_every_shard_unreadable_is_an_error(dataset, tmp_path):
+    """Before: the reader skipped every record forever and the run hung without a word."""
+    import shutil
+
+    copy = tmp_path / "all_truncated"
+    shutil.copytree(dataset.path, copy)
+    for shard in copy.glob("train-*"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    reading = Reading(skip_corrupt=True)
+    with pytest.raises(DataError, match="all 3 shards of .* are corrupt or truncated"):
+        make_batch_iterator(
+            load_dataset_info(copy), "train", seq_len=8, batch_size=2, reading=reading
+        )
+
+
+def test_skipped_records_are_said_once_per_shard(dataset, tmp_path, capfd):
+    """Before: with data.verify_checksums=false nothing but a metrics field told of the skips."""
+    info, shard = corrupt_copy(dataset, tmp_path, truncate=True)
+    log = tmp_path / "skipped.jsonl"
+    reading = Reading(shuffle=False, num_epochs=3, skip_corrupt=True, skip_log=log)
+    list(make_batch_iterator(info, "train", seq_len=32, batch_size=4, reading=reading))
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"records of shard {shard}" in warnings[0]
+    assert str(log) in warnings[0] and "corrupt_records_skipped" in warnings[0]
+
+
+def test_eval_with_more_streams_than_records_counts_every_token(dataset):
+    """Before: a stream without eval records failed the first eval, after training."""
+    from trainer.config import load_config
+    from trainer.data import dataset_sources
+
+    records = dataset.num_records("eval")
+    pairs = dataset.num_tokens("eval") - records
+    for streams in (1, 2 * records):
+        overrides = [f"data.path={dataset.path}", f"data.streams={streams}", "data.seq_len=32"]
+        config = load_config(None, [*overrides, f"data.global_batch_size={2 * records}"])
+        batches = dataset_sources(config.data, seed=0).make_eval()
+        assert sum(float(b["weights"].sum()) for b in take(batches, 60)) == pairs
+
+
+def test_a_data_path_that_is_a_file_names_its_folder(dataset):
+    """Before: 'not a prepared dataset (no dataset.json)' for the dataset.json file itself."""
+    with pytest.raises(DataError, match=f"data.path=.*dataset.json is a file; .*{dataset.path}"):
+        resolve_dataset(str(dataset.path / "dataset.json"))

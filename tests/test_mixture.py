@@ -126,3 +126,24 @@ def test_mixture_resumes_bit_exactly_and_evaluates_every_source(corpus, prose, t
         last["tokens_code"],
         last["tokens_prose"],
     )
+
+
+def test_a_missing_source_is_named_by_its_mixture_key(corpus, tmp_path):
+    """Before: the error blamed data.path, which a mixture run does not set."""
+    config = load_config(None, [*TINY, mixture(corpus, tmp_path / "gone")])
+    with pytest.raises(DataError, match=r"^data.mixture\[1\].path=.*gone does not exist"):
+        dataset_sources(config.data, seed=0)
+
+
+def test_a_source_without_eval_split_is_said_at_the_start(corpus, tmp_path, capsys):
+    """Before: eval_loss silently averaged only the sources that have an eval split."""
+    no_eval = prepare_dataset(documents(40, seed=5), tmp_path / "noeval", eval_fraction=0)
+    capsys.readouterr()
+    config = load_config(None, [*TINY, mixture(corpus, no_eval)])
+    sources = dataset_sources(config.data, seed=0)
+    assert set(sources.make_evals) == {"code"}
+    err = capsys.readouterr().err
+    assert (
+        "data.mixture sources prose have no eval split; eval_loss is the weighted mean of code"
+        in err
+    )

@@ -163,3 +163,82 @@ def test_skip_corrupt_trains_and_counts_the_skipped_records(damaged, tmp_path):
 )
 def test_tokens_are_stored_in_the_narrowest_type_the_vocabulary_fits(vocab, stored):
     assert token_dtype(vocab).str == stored
+
+
+BAD_INPUTS = {  # an input prepare cannot read as meant -> what its one-line error must say
+    "sub": "matches no file (only the folders",
+    "latin1.txt": "latin1.txt is not UTF-8 text (byte 3); convert it",
+    "binary.txt": "binary.txt is not UTF-8 text (byte 128)",
+    "latin1.jsonl": "latin1.jsonl is not UTF-8 text (byte 28)",
+    "number.jsonl": "(byte 15): field 'text' holds int, not text; name the text field",
+    "null.jsonl": "(byte 0): field 'text' holds NoneType, not text",
+    "broken.jsonl": "(line at byte 15) is not valid JSON (",
+    "empty.txt": "no training tokens (every document is empty)",
+    "numbers.parquet": "column 'text' holds int64, not text; name the text column",
+}
+
+
+def write_bad_input(folder, name):
+    folder.mkdir()
+    path = folder / name
+    if name == "sub":
+        path.mkdir()
+    elif name == "numbers.parquet":
+        pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+    else:
+        path.write_bytes(
+            {
+                "latin1.txt": "café résumé".encode("latin-1"),
+                "binary.txt": bytes(range(256)) * 4,
+                "latin1.jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+                "number.jsonl": b'{"text": "ok"}\n{"text": 42}\n',
+                "null.jsonl": b'{"text": null}\n',
+                "broken.jsonl": b'{"text": "ok"}\n{"text": "unterminated\n',
+                "empty.txt": b"",
+            }[name]
+        )
+    return path
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_inputs_prepare_would_misread_are_refused_in_one_line(tmp_path, capsys, name):
+    """Before: a folder, an int text field and an empty file gave tracebacks or an unusable
+    dataset, and non-UTF-8 bytes became U+FFFD replacement tokens without a word."""
+    path = write_bad_input(tmp_path / "in", name)
+    assert prepare_main(["--input", str(path), "--output", str(tmp_path / "out")]) == 2
+    assert BAD_INPUTS[name] in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_folder_of_other_files_is_refused_and_kept(tmp_path, capsys):
+    """Before: publishing deleted a non-dataset --output folder with everything in it."""
+    (tmp_path / "doc.txt").write_text(texts(1)[0])
+    args = ["--input", str(tmp_path / "doc.txt"), "--eval-fraction", "0", "--output"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("keep me")
+    (tmp_path / "a_file").write_text("keep me too")
+    for output, message in [
+        (mine, "is a folder that holds other files (notes.md), not a dataset"),
+        (tmp_path / "a_file", "is a file; name a folder"),
+        (tmp_path / "a_file" / "ds", "cannot create"),
+    ]:
+        for extra in ([], ["--overwrite"]):
+            assert prepare_main([*args, str(output), *extra]) == 2
+            assert message in capsys.readouterr().err
+    assert (mine / "notes.md").read_text() == "keep me"
+    assert (tmp_path / "a_file").read_text() == "keep me too"
+    (tmp_path / "empty").mkdir()  # an empty folder is fine, and so is replacing a dataset
+    assert prepare_main([*args, str(tmp_path / "empty")]) == 0
+    assert prepare_main([*args, str(tmp_path / "empty"), "--overwrite"]) == 0
+
+
+def test_held_out_text_without_tokens_is_refused_at_prepare(tmp_path, capsys):
+    """Before: the dataset got an eval split of 0 records, and the run failed at its first
+    eval, after training, blaming data.streams."""
+    (tmp_path / "train.txt").write_text(texts(1)[0])
+    (tmp_path / "held_out.txt").write_text("x")
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "train.txt"), "--eval-input", str(tmp_path / "held_out.txt")]
+    assert prepare_main([*args, "--output", str(out)]) == 2
+    assert "held-out documents of" in capsys.readouterr().err and not out.exists()

@@ -208,3 +208,76 @@ def test_prepare_cli_writes_tfrecord(tmp_path, capsys):
     names = sorted(p.name for p in out.iterdir())
     assert names == ["dataset.json", *(f"train-0000{i}-of-00002.tfrecord" for i in range(2))]
     assert "error" not in capsys.readouterr().err
+
+
+def rewritten(info, tmp_path, feature):
+    """A copy of a TFRecord dataset whose records carry `feature(tokens)` instead of ours, with
+    matching checksums: what a user's own writer could have made."""
+    from input_pipeline.records import sha256_of
+    from input_pipeline.tfrecords import tensorflow
+
+    tf = tensorflow()
+    copy = tmp_path / "rewritten"
+    shutil.copytree(info.path, copy)
+    raw = json.loads((copy / "dataset.json").read_text())
+    for split in raw["splits"].values():
+        for shard in split["shards"]:
+            path = copy / shard["file"]
+            records = list(tf.data.TFRecordDataset(str(path)).as_numpy_iterator())
+            with tf.io.TFRecordWriter(str(path)) as writer:
+                for record in records:
+                    tokens = tf.train.Example.FromString(record).features.feature["tokens"]
+                    features = tf.train.Features(feature=feature(tokens.int64_list.value))
+                    writer.write(tf.train.Example(features=features).SerializeToString())
+            shard["sha256"] = sha256_of(path)
+    (copy / "dataset.json").write_text(json.dumps(raw))
+    return load_dataset_info(copy)
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("kind", ["other name", "bytes", "outside the vocabulary"])
+def test_records_of_another_layout_name_the_tokens_feature(datasets, tmp_path, reader, kind):
+    """Before: an unknown feature name or a bytes feature hung both readers (every record read
+    as empty), or was called a corrupt shard; tf.data took ids outside the vocabulary."""
+    from input_pipeline.tfrecords import tensorflow
+
+    tf = tensorflow()
+
+    def feature(tokens):
+        if kind == "other name":
+            return {"input_ids": tf.train.Feature(int64_list=tf.train.Int64List(value=tokens))}
+        if kind == "bytes":
+            return {"tokens": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"abc"]))}
+        ids = [t + 1000 for t in tokens]
+        return {"tokens": tf.train.Feature(int64_list=tf.train.Int64List(value=ids))}
+
+    info = rewritten(datasets[1], tmp_path, feature)
+    said = {
+        "other name": "has no 'tokens' feature \\(it has: input_ids\\)",
+        "bytes": "holds 'tokens' as a bytes_list, not an int64_list",
+        "outside the vocabulary": "holds token ids outside the vocabulary of 256",
+    }[kind]
+    it = make_batch_iterator(
+        info, "train", seq_len=64, batch_size=2, reading=Reading(reader=reader)
+    )
+    with pytest.raises(DataError, match=f"train-0000.*: .*{said}; TFRecord data holds .*'tokens'"):
+        next(it)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_eval_with_fewer_shards_than_streams_counts_every_token(tmp_path, reader):
+    """Before: the eval stream without a shard failed the first eval, after training."""
+    from trainer.data import dataset_sources
+
+    docs = documents()
+    out = tmp_path / "one_eval_shard"
+    prepare_dataset(
+        docs[1:], out, eval_documents=docs[:1], num_shards=3, format="tfrecord", progress=False
+    )
+    info = load_dataset_info(out)
+    assert len(info.split("eval")["shards"]) == 1
+    pairs = info.num_tokens("eval") - info.num_records("eval")
+    overrides = ["data.streams=2", "data.global_batch_size=4", "data.seq_len=64"]
+    config = load_config(None, [f"data.path={out}", f"data.reader={reader}", *overrides])
+    batches = dataset_sources(config.data, seed=0).make_eval()
+    assert sum(float(b["weights"].sum()) for b in take(batches, 40)) == pairs

@@ -30,7 +30,7 @@ from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
 from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, available_memory, count_skipped, memory_needed
-from input_pipeline.streams import StreamBatches
+from input_pipeline.streams import StreamBatches, blank_batch
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
@@ -139,6 +139,14 @@ def dataset_sources(
 
     evals = {s.name: (s.weight, eval_of(s)) for s in sources if "eval" in s.info.raw["splits"]}
     mixture = len(sources) > 1  # one source: no per-source metrics
+    unevaluated = [s.name for s in sources if s.name not in evals]
+    if mixture and evals and unevaluated:
+        print(
+            f"data.mixture sources {', '.join(unevaluated)} have no eval split; eval_loss is "
+            f"the weighted mean of {', '.join(evals)} only (prepare them with --eval-fraction "
+            "or --eval-input to include them)",
+            file=sys.stderr,
+        )
     description, fingerprint = identity(sources)
     first = sources[0].info  # every source has its tokenizer (`check_same_tokenizer`)
     return DataSources(
@@ -212,6 +220,7 @@ def stream_batches(
         *feeders,
         pinned=data.streams is not None,
         pad_exhausted=not training,
+        blank=lambda count: blank_batch(data.global_batch_size // count, data.seq_len),
     )
 
 
@@ -237,7 +246,13 @@ def load_sources(data: DataConfig, reading: Reading) -> list[Source]:
             raise ConfigError(
                 f"data.mixture has two sources named {name!r}; give each a distinct `name`"
             )
-    infos = {name: load_dataset(data, e.path) for name, e in zip(names, entries, strict=True)}
+    keys = (
+        [f"data.mixture[{i}].path" for i in range(len(entries))] if data.mixture else ["data.path"]
+    )
+    infos = {
+        name: load_dataset(data, e.path, key)
+        for name, e, key in zip(names, entries, keys, strict=True)
+    }
     check_same_tokenizer(infos)
     caches = memory_caches(data, infos, reading)
     return [
@@ -246,11 +261,11 @@ def load_sources(data: DataConfig, reading: Reading) -> list[Source]:
     ]
 
 
-def load_dataset(data: DataConfig, path: str | None = None) -> DatasetInfo:
+def load_dataset(data: DataConfig, path: str | None = None, key: str = "data.path") -> DatasetInfo:
     """The prepared dataset folder `path` (default `data.path`; built-in corpora are prepared on
-    first use), its shards checked against their recorded checksums unless
-    `data.verify_checksums` is off."""
-    info = load_dataset_info(resolve_dataset(path or data.path, data.cache_dir))
+    first use), named by config key `key`, its shards checked against their recorded checksums
+    unless `data.verify_checksums` is off."""
+    info = load_dataset_info(resolve_dataset(path or data.path, data.cache_dir, key))
     if data.verify_checksums:
         try:
             info.verify_checksums()
@@ -311,6 +326,17 @@ def user_sources(data: Any, eval_data: Any = None, *, feeders: Feeders = (0, 1))
     re-iterable (a list, a Grain dataset) or a zero-argument callable returning a fresh
     iterable, since every eval starts from its top."""
     fixed = eval_data is None or callable(eval_data)
+    if isinstance(eval_data, Iterator):  # read by the first eval, then empty
+        raise ConfigError(
+            f"eval_data is a one-shot {type(eval_data).__name__}, and every eval reads it from "
+            "its top; pass a list, a Grain dataset, or a function returning a fresh iterator"
+        )
+    for name, value in (("data", data), ("eval_data", None if fixed else eval_data)):
+        if value is not None and not isinstance(value, Iterable):
+            raise ConfigError(
+                f"{name}={value!r:.40} is not iterable; pass a Grain dataset or an iterable of "
+                "batch dicts"
+            )
     make_eval = eval_data if fixed else lambda: eval_data
     return DataSources(
         train=iter(data),
