@@ -62,7 +62,20 @@ def empty_the_folder(step: Path) -> None:
     step.mkdir()
 
 
-DAMAGES = [truncate_a_file, delete_the_train_item, corrupt_the_metadata_json, empty_the_folder]
+def drop_the_parameter_shapes(step: Path) -> None:
+    # Valid JSON that lacks what every save writes: damaged, not "from another model".
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    del meta["param_shapes"]
+    (step / "meta" / "metadata").write_text(json.dumps(meta))
+
+
+DAMAGES = [
+    truncate_a_file,
+    delete_the_train_item,
+    corrupt_the_metadata_json,
+    empty_the_folder,
+    drop_the_parameter_shapes,
+]
 
 
 def _size(path: Path) -> int:

@@ -110,3 +110,53 @@ def test_a_folder_that_turns_read_only_is_reported(corpus, small_disk):
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
     with pytest.raises(TrainingError, match="not writable|cannot write run.workdir"):
         run(tiny_run(corpus, disk / "run", steps=4))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_that_takes_no_files_is_refused_before_training(
+    corpus, small_disk, repo_root, tmp_path
+):
+    # The workdir is writable but its checkpoints/ is not (a read-only mount, or another
+    # user's folder). Before, the run trained to its first save, whose Orbax writer threads
+    # waited 300 s for a step folder that was never made, then printed a traceback each.
+    (tmp_path / "run").mkdir()
+    checkpoints = small_disk("8m", "run/checkpoints")
+    assert train_cli(repo_root, ["-m", "trainer.main"], corpus, tmp_path / "run", 2).returncode == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(checkpoints)], check=True)
+    done = train_cli(repo_root, ["-m", "trainer.main"], corpus, tmp_path / "run", steps=4)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"checkpoint folder {checkpoints} is not writable (Read-only file system)" in last
+    assert "while starting the run" in last and "step 2 is the last complete checkpoint" in last
+    assert "step 3" not in done.stderr  # refused before the first step
+
+
+REMOUNTED_READ_ONLY_BEFORE_STEP_4 = """
+import subprocess, sys
+from trainer.checkpoint import Checkpointer
+from trainer.main import main
+save = Checkpointer.save
+def save_into_a_read_only_folder_at_step_4(self, step, *args):
+    if step == 4:
+        self.wait()
+        subprocess.run(["mount", "-o", "remount,ro", str(self.directory)], check=True)
+    return save(self, step, *args)
+Checkpointer.save = save_into_a_read_only_folder_at_step_4
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_folder_that_turns_read_only_mid_run_stops_at_the_save(
+    corpus, small_disk, repo_root, tmp_path
+):
+    (tmp_path / "run").mkdir()
+    checkpoints = small_disk("8m", "run/checkpoints")
+    launcher = ["-c", REMOUNTED_READ_ONLY_BEFORE_STEP_4]
+    done = train_cli(repo_root, launcher, corpus, tmp_path / "run", steps=6)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"checkpoint folder {checkpoints} is not writable" in last
+    assert "while saving step 4" in last and "step 2 is the last complete checkpoint" in last

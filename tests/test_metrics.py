@@ -23,6 +23,27 @@ def test_resume_drops_lines_past_the_checkpoint_and_half_lines(tmp_path):
     assert any((tmp_path / "tb").iterdir())
 
 
+def test_resume_drops_garbage_lines_and_keeps_the_rows(tmp_path):
+    # What a crash or a bad disk can leave mid-file: bytes that are not UTF-8, a run of NULs,
+    # JSON that is no row. Before, the first crashed the resume with a UnicodeDecodeError.
+    path = tmp_path / "metrics.jsonl"
+    row = lambda s: (json.dumps({"step": s, "loss": 1.0 / s}) + "\n").encode()  # noqa: E731
+    path.write_bytes(row(1) + b"\xff\xfe{\x00\n" + row(2) + b"\x00" * 64 + b"\n[2]\n" + row(3))
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=3, tensorboard=False)
+    writer.write(4, {"loss": 0.25})
+    writer.close()
+    got = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+
+
+def test_a_metrics_file_that_cannot_be_written_is_one_line(tmp_path):
+    from trainer.errors import TrainingError
+
+    (tmp_path / "metrics.jsonl").mkdir()  # e.g. another user's file: not writable
+    with pytest.raises(TrainingError, match=r"^cannot write .*metrics.jsonl: Is a directory; "):
+        MetricsWriter(tmp_path, total_steps=10, start_step=2, tensorboard=False)
+
+
 def test_non_finite_values_stay_valid_json(tmp_path):
     writer = MetricsWriter(tmp_path, total_steps=1, tensorboard=False, progress=False)
     writer.write(1, {"loss": float("nan")})

@@ -125,6 +125,42 @@ def test_checkpoint_from_another_model_is_refused(corpus, tmp_path):
         run(load_config(None, [*base, "run.steps=4", "model.d_ff=96"]))
 
 
+def test_a_refused_resume_leaves_the_runs_config_yaml(corpus, tmp_path):
+    # The refusal says "use ... the model config it was saved with": config.yaml still shows it.
+    from trainer.errors import TrainingError
+
+    workdir = tmp_path / "w"
+    base = [*TINY, f"data.path={corpus}", f"run.workdir={workdir}", "run.steps=2", "eval.every=2"]
+    run(load_config(None, [*base, "checkpoint.every=2"]))
+    saved = (workdir / "config.yaml").read_text()
+    with pytest.raises(TrainingError, match="from another model"):
+        run(load_config(None, [*base, "checkpoint.every=2", "run.steps=4", "model.d_ff=96"]))
+    assert (workdir / "config.yaml").read_text() == saved
+
+
+def test_init_from_another_model_or_no_checkpoint_names_checkpoint_init_from(corpus, tmp_path):
+    # The fix is the init_from path (or the model config), not run.workdir: the workdir is new.
+    from trainer.errors import TrainingError
+
+    base = [*TINY, f"data.path={corpus}", "run.steps=2", "checkpoint.every=2", "eval.every=2"]
+    source, empty = tmp_path / "source", tmp_path / "empty"
+    run(load_config(None, [*base, f"run.workdir={source}"]))
+    empty.mkdir()
+    tuned = [*base, f"run.workdir={tmp_path / 'tuned'}"]
+    with pytest.raises(
+        TrainingError,
+        match=r"from another model .*saved \[2, 64.*\); point checkpoint.init_from at a run of "
+        r"this model, or set the model.\* config it was saved with$",
+    ):
+        run(load_config(None, [*tuned, f"checkpoint.init_from={source}", "model.d_ff=96"]))
+    with pytest.raises(
+        TrainingError,
+        match=r"holds no complete checkpoint; point checkpoint.init_from at the run.workdir of a "
+        "past run$",
+    ):
+        run(load_config(None, [*tuned, f"checkpoint.init_from={empty}"]))
+
+
 def test_dataset_vocab_larger_than_model_is_a_config_error(corpus, tmp_path):
     from trainer.errors import ConfigError
 

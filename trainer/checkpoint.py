@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,8 @@ from trainer.errors import ConfigError, TrainingError
 from trainer.parallel.state import TrainState
 
 T = TypeVar("T")
+
+RESUME_ANOTHER_MODEL = "use a new run.workdir or the model config it was saved with"
 
 
 def _train_part(state: TrainState) -> dict[str, Any]:
@@ -60,6 +63,9 @@ class Checkpointer:
                 f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
                 "choose a writable run.workdir"
             ) from None
+        if create:  # before the first step: a run that cannot save should not train
+            with _closed_on_error(self.manager):
+                self._check_writable("starting the run")
         self._saving: contextlib.ExitStack | None = None  # from the first save until `close`
 
     def _open_manager(self, clean: bool = True) -> ocp.CheckpointManager:
@@ -78,17 +84,20 @@ class Checkpointer:
             )
 
     @classmethod
-    def open_existing(cls, path: str | Path) -> tuple[Checkpointer, int]:
-        """The latest checkpoint under a run's workdir or its `checkpoints/` folder."""
+    def open_existing(
+        cls, path: str | Path, fix: str = "give the run.workdir of a past run"
+    ) -> tuple[Checkpointer, int]:
+        """The latest checkpoint under a run's workdir or its `checkpoints/` folder; `fix` is
+        what the caller's user should do when there is none."""
         path = Path(path)
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         if not folder.is_dir():
-            raise TrainingError(f"{path} holds no checkpoints; give a run.workdir of a past run")
+            raise TrainingError(f"{path} holds no checkpoints; {fix}")
         checkpointer = cls(folder, CheckpointConfig(), create=False)
         step = checkpointer.latest_step()
         if step is None:
             checkpointer.close()
-            raise TrainingError(f"{folder} holds no complete checkpoint; pick another run")
+            raise TrainingError(f"{folder} holds no complete checkpoint; {fix}")
         return checkpointer, step
 
     def latest_step(self) -> int | None:
@@ -179,6 +188,7 @@ class Checkpointer:
     ) -> float:
         """Start a save; returns the seconds the caller was blocked (device-to-host copy)."""
         jax.block_until_ready(state)  # time the copy, not the step that is still running
+        self._check_writable(f"saving step {step}")
         self._check_free_space(step, state)
         start = time.perf_counter()
         self._finish_warm_up()  # one save at a time, as Orbax does within one manager
@@ -221,6 +231,22 @@ class Checkpointer:
         warm.close()
         if jax.process_index() == 0:
             shutil.rmtree(warm.directory, ignore_errors=True)
+
+    def _check_writable(self, doing: str) -> None:
+        """Refuse a save into a folder that takes no new file before Orbax starts it: its
+        writer threads would wait 300 s for a step folder that is never made, then print a
+        traceback each."""
+        if not self.directory.is_dir():
+            return
+        try:
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as err:
+            raise TrainingError(
+                f"checkpoint folder {self.directory} is not writable ({err.strerror}) while "
+                f"{doing}; fix the permissions there, or point run.workdir elsewhere"
+                f"{self._last_good()}"
+            ) from None
 
     def _check_free_space(self, step: int, state: TrainState) -> None:
         """Refuse a save that cannot fit before writing a byte of it, on local disks (where
@@ -271,7 +297,7 @@ class Checkpointer:
         kinds included: offloaded parts (`trainer.parallel.offload`) are read straight into
         pinned host memory, never through the device memory they were offloaded to spare (orbax
         0.12 passes the memory kind through: no memory-kind mismatch, tests/test_offload.py)."""
-        self._check_shapes(step, target.params)
+        self._check_shapes(step, target.params, RESUME_ANOTHER_MODEL)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -292,16 +318,19 @@ class Checkpointer:
         )
         return state, data_state
 
-    def restore_params(self, step: int, target_params: Any) -> Any:
-        """Parameters only (fine-tuning from another run, export)."""
-        self._check_shapes(step, target_params)
+    def restore_params(self, step: int, target_params: Any, fix: str = RESUME_ANOTHER_MODEL) -> Any:
+        """Parameters only (fine-tuning from another run, export); `fix` ends the line that
+        refuses another model's checkpoint."""
+        self._check_shapes(step, target_params, fix)
         restored = self.manager.restore(
             step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target_params))
         )
         return restored.params
 
-    def _check_shapes(self, step: int, target_params: Any) -> None:
-        saved = self.read_meta(step).get("param_shapes", {})
+    def _check_shapes(self, step: int, target_params: Any, fix: str) -> None:
+        saved = self.read_meta(step).get("param_shapes")
+        if not isinstance(saved, dict):  # every save writes them: the metadata is damaged
+            raise ValueError("its meta/ item records no parameter shapes")
         wanted = param_shapes(target_params)
         missing = sorted(set(wanted) - set(saved))
         extra = sorted(set(saved) - set(wanted))
@@ -314,7 +343,7 @@ class Checkpointer:
         raise TrainingError(
             f"checkpoint {self.directory / str(step)} is from another model ("
             + "; ".join(parts)
-            + "); use a new run.workdir or the model config it was saved with"
+            + f"); {fix}"
         )
 
     def wait(self) -> None:
@@ -328,6 +357,16 @@ class Checkpointer:
         finally:
             with self._saving or contextlib.nullcontext(), self._storage_errors("finishing a save"):
                 self.manager.close()
+
+
+@contextlib.contextmanager
+def _closed_on_error(manager: ocp.CheckpointManager) -> Iterator[None]:
+    """Close `manager` when the block raises: the caller will never get to."""
+    try:
+        yield
+    except BaseException:
+        manager.close()
+        raise
 
 
 def _state_bytes(state: TrainState) -> int:

@@ -3,6 +3,9 @@ manager, writers), then the loop (`trainer.loop`)."""
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,10 @@ from trainer.program import TrainProgram, build_program
 from trainer.samples import make_sampler
 from trainer.step import LossFn, next_token_loss
 
+INIT_FROM_ANOTHER_MODEL = (
+    "point checkpoint.init_from at a run of this model, or set the model.* config it was saved with"
+)
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -65,12 +72,13 @@ def run(
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
         spec, build = run_model(config, model, sources.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
-        write_run_config(config)
+        make_workdir(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
             state, start_step = restore_or_init(
                 config.checkpoint.init_from, checkpointer, program, spec, sources.train
             )
+        write_run_config(config)  # once a refused resume can no longer overwrite the run's own
         writer = open_writer(config, start_step)
         announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
         with (
@@ -132,14 +140,33 @@ def open_data(
     return sources
 
 
-def write_run_config(config: Config) -> None:
-    """`<workdir>/config.yaml`, written by the first process: what `export` and `generate` read."""
+def make_workdir(config: Config) -> None:
+    """`run.workdir`, made by the first process and checked to take files before a run is built
+    in it."""
     if jax.process_index() != 0:
         return
     workdir = Path(config.run.workdir)
-    try:
+    with _workdir_errors(workdir):
         workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+
+
+def write_run_config(config: Config) -> None:
+    """`<workdir>/config.yaml`, written by the first process: the resolved config of the run's
+    latest session (`trainer.report` labels runs by its `run.name`)."""
+    if jax.process_index() != 0:
+        return
+    workdir = Path(config.run.workdir)
+    with _workdir_errors(workdir):
         (workdir / "config.yaml").write_text(config.to_yaml())
+
+
+@contextmanager
+def _workdir_errors(workdir: Path) -> Iterator[None]:
+    """An OS error in `run.workdir` as one line that names it."""
+    try:
+        yield
     except OSError as err:
         raise TrainingError(
             f"cannot write run.workdir={workdir}: {err.strerror}; choose a writable folder"
@@ -236,10 +263,12 @@ def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
             )
         with jax.set_mesh(program.mesh):
             return program.init().replace(params=spec.hf.load_params(folder, target))
-    source, _ = Checkpointer.open_existing(path)
+    source, _ = Checkpointer.open_existing(
+        path, fix="point checkpoint.init_from at the run.workdir of a past run"
+    )
     try:
         _, params = source.restore_newest(
-            lambda step: source.restore_params(step, target),
+            lambda step: source.restore_params(step, target, INIT_FROM_ANOTHER_MODEL),
             advice="repair them, or point checkpoint.init_from at another run",
         )
     finally:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from trainer.errors import TrainingError
 
 
 def _jsonable(value: Any) -> Any:
@@ -46,8 +49,14 @@ class MetricsWriter:
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / "metrics.jsonl"
-        _truncate_after(path, start_step)
-        self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115
+        try:
+            _truncate_after(path, start_step)
+            self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115
+        except OSError as err:
+            raise TrainingError(
+                f"cannot write {path}: {err.strerror}; make it writable, or choose another "
+                "run.workdir"
+            ) from None
         if tensorboard:
             from tensorboardX import SummaryWriter  # no TensorFlow import needed
 
@@ -129,18 +138,26 @@ class MetricsWriter:
 
 def _truncate_after(path: Path, step: int) -> None:
     """On resume, drop what a killed run logged past its last checkpoint (and a half-written
-    last line), so metrics.jsonl reads as one uninterrupted run."""
+    last line), so metrics.jsonl reads as one uninterrupted run. The file is replaced whole, and
+    only when a line goes: a run killed meanwhile loses none of the lines it kept."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if line.endswith("\n") and row.get("step", 0) <= step:
-            kept.append(line)
-    path.write_text("".join(kept))
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    kept = [line for line in lines if _logged_by_step(line, step)]
+    if len(kept) == len(lines):
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+
+
+def _logged_by_step(line: str, step: int) -> bool:
+    """Whether `line` is a whole metrics row of `step` or before."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return line.endswith("\n") and isinstance(row, dict) and row.get("step", 0) <= step
 
 
 def _duration(seconds: float) -> str:
