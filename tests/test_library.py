@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import trainer
+from input_pipeline.errors import DataError
 
 FEATURES, CLASSES = 16, 4
 README_SECTION = "## Library use: your own model, loss and data"
@@ -220,3 +221,145 @@ def test_annotate_axes_shards_a_model_written_without_axes(tmp_path):
 def test_annotate_axes_rejects_a_rank_mismatch():
     with nnx.use_eager_sharding(False), pytest.raises(trainer.ConfigError, match="rank 2"):
         trainer.annotate_axes(Unannotated(nnx.Rngs(0)), [(r"hidden/kernel", ("embed",))])
+
+
+# ----------------------------------------------------------------------------- caller mistakes
+
+
+def loss_returning(make_result):
+    """A loss_fn built on `classification_loss` that returns `make_result(loss, aux)`."""
+    return lambda model, batch: make_result(*classification_loss(model, batch))
+
+
+WRONG_LOSSES = {
+    "per-example losses": (
+        lambda model, batch: (model(batch["x"])[:, 0], {}),
+        "loss that is float32 of shape \\(32,\\); return one float scalar",
+    ),
+    "the loss alone": (loss_returning(lambda loss, aux: loss), "a single value"),
+    "three values": (loss_returning(lambda loss, aux: (loss, aux, 1)), "returned 3 values"),
+    "aux None": (loss_returning(lambda loss, aux: (loss, None)), "aux .* is None"),
+    "a vector weight": (
+        loss_returning(lambda loss, aux: (loss, {"weight": jnp.ones(3)})),
+        "aux\\['weight'\\] is float32 of shape \\(3,\\)",
+    ),
+    # an integer loss has zero gradients: it trained nothing, silently
+    "an integer loss": (
+        loss_returning(lambda loss, aux: (loss.astype(jnp.int32), aux)),
+        "loss that is int32",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", list(WRONG_LOSSES))
+def test_a_loss_fn_returning_the_wrong_thing_is_one_line(tmp_path, mistake):
+    """Before: a JAX error about gradients from inside the backward pass, or (an int loss) a run
+    that trained nothing."""
+    loss_fn, message = WRONG_LOSSES[mistake]
+    with pytest.raises(trainer.ConfigError, match=message):
+        trainer.run(config_for(tmp_path, 2), model=Classifier, loss_fn=loss_fn, data=train_data())
+
+
+def test_the_default_loss_on_other_batches_names_loss_fn(tmp_path):
+    """Before: `ValueError: entry not a 2- or 3- tuple` from numpy, deep in the backward pass."""
+    with pytest.raises(DataError, match="reads batch keys 'targets' and 'weights'.*loss_fn="):
+        trainer.run(config_for(tmp_path, 2), model=Classifier, data=train_data())
+
+
+class KeywordRngs(Classifier):
+    """Flax's own convention: `rngs` keyword-only."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        super().__init__(rngs)
+
+
+def test_a_model_class_taking_rngs_by_keyword_trains(tmp_path):
+    result = trainer.run(
+        config_for(tmp_path, 2), model=KeywordRngs, loss_fn=classification_loss, data=train_data()
+    )
+    assert result.step == 2
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: Classifier(nnx.Rngs(0)), "takes \\(\\), not rngs alone"),
+        (lambda rngs, width: Classifier(rngs), "takes \\(rngs, width\\)"),
+        (lambda rngs: (Classifier(rngs),), "returned tuple, not an nnx.Module"),
+    ],
+    ids=["no rngs", "two arguments", "not a module"],
+)
+def test_a_factory_of_the_wrong_shape_is_one_line(tmp_path, factory, message):
+    with pytest.raises(trainer.ConfigError, match=message):
+        trainer.run(
+            config_for(tmp_path, 2), model=factory, loss_fn=classification_loss, data=train_data()
+        )
+
+
+def test_batches_that_do_not_split_into_accum_steps_are_one_line(tmp_path):
+    """A caller's 40-row batches and optim.accum_steps=16 (data.global_batch_size, 32 by default,
+    divides). Before: a reshape TypeError from inside the jitted step."""
+    config = config_for(tmp_path, 2).derive({"optim.accum_steps": 16})
+    with pytest.raises(trainer.ConfigError, match="40 rows .* optim.accum_steps=16"):
+        trainer.run(
+            config,
+            model=Classifier,
+            loss_fn=classification_loss,
+            data=grain.MapDataset.source(blobs(400, 0)).repeat().batch(40),
+        )
+
+
+def lm_batches(token_dtype=np.int32, drop=()):
+    """A caller's own LM batches for the built-in transformer (vocabulary 64)."""
+    rng = np.random.default_rng(0)
+    while True:
+        tokens = rng.integers(0, 64, (16, 17))
+        batch = {
+            "inputs": tokens[:, :-1].astype(token_dtype),
+            "targets": tokens[:, 1:].astype(np.int32),
+            "weights": np.ones((16, 16), np.float32),
+        }
+        yield {k: v for k, v in batch.items() if k not in drop}
+
+
+@pytest.mark.parametrize(
+    ("batches", "message"),
+    [
+        (lm_batches(np.float32), "batch\\['inputs'\\] is float32 of shape \\(16, 16\\)"),
+        (lm_batches(drop=("inputs",)), "reads batch key 'inputs'"),
+        (lm_batches(drop=("weights",)), "reads batch keys 'targets' and 'weights'"),
+    ],
+    ids=["float tokens", "no inputs", "no weights"],
+)
+def test_the_built_in_model_names_what_a_callers_lm_batch_lacks(tmp_path, batches, message):
+    """Before: flax's "Input type must be an integer" or a KeyError from inside the step."""
+    config = config_for(tmp_path, 2).derive(
+        {"model.vocab_size": 64, "model.num_layers": 1, "model.d_model": 32, "model.d_ff": 64}
+    )
+    with pytest.raises(DataError, match=message):
+        trainer.run(config, data=batches)
+
+
+@pytest.mark.parametrize(
+    "data, eval_data, message",
+    [
+        (None, lambda: iter(()), None),  # a function returning fresh iterators: accepted
+        (None, (b for b in []), "eval_data is a one-shot generator"),
+        (42, None, "data=42 is not iterable"),
+        (None, 5, "eval_data=5 is not iterable"),
+    ],
+    ids=["fresh iterators", "generator", "data not iterable", "eval_data not iterable"],
+)
+def test_data_that_cannot_serve_the_run_is_refused_before_training(
+    tmp_path, data, eval_data, message
+):
+    """A generator as eval_data used to pass its first eval and kill the run at the second,
+    blaming data.global_batch_size; a non-iterable ended in Python's TypeError."""
+    from trainer.data import user_sources
+
+    make = lambda: user_sources(train_data() if data is None else data, eval_data)  # noqa: E731
+    if message is None:
+        assert make().make_eval is eval_data
+        return
+    with pytest.raises(trainer.ConfigError, match=message):
+        make()

@@ -11,7 +11,8 @@ token rate counts it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from input_pipeline.errors import DataError
+from trainer.errors import ConfigError
 from trainer.loss_scale import LossScaling
 from trainer.parallel.offload import Offload
 from trainer.parallel.sharding import microbatches
@@ -33,6 +36,8 @@ LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
 def next_token_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Token-weighted cross-entropy in float32; padding (weight 0) does not count."""
+    _check_lm_batch(batch)
+    _check_takes_batch(model)
     logits_BxLxV = model(batch).astype(jnp.float32)
     logprobs_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
     nll_BxL = -jnp.take_along_axis(logprobs_BxLxV, batch["targets"][..., None], axis=-1)[..., 0]
@@ -40,6 +45,40 @@ def next_token_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[st
     weight = jnp.sum(weights_BxL)
     loss = jnp.sum(nll_BxL * weights_BxL) / jnp.maximum(weight, 1.0)
     return loss, {"weight": weight}
+
+
+def _check_lm_batch(batch: Batch) -> None:
+    """At trace time: the default loss reads LM batches only, and says so for other batches
+    (else a KeyError or a JAX indexing error from inside the backward pass)."""
+    missing = [key for key in ("targets", "weights") if key not in batch]
+    if missing:
+        raise DataError(
+            f"the default loss (next-token cross-entropy) reads batch keys 'targets' and "
+            f"'weights', and this batch has {sorted(batch)}; pass loss_fn= to trainer.run for "
+            "other batches"
+        )
+    if not jnp.issubdtype(batch["targets"].dtype, jnp.integer):
+        raise DataError(
+            f"batch['targets'] is {batch['targets'].dtype}; token ids must be integers: yield "
+            "them as np.int32"
+        )
+
+
+def _check_takes_batch(model: nnx.Module) -> None:
+    """At trace time: the default loss calls `model(batch)`; a model whose `__call__` takes
+    other arguments would fail with a TypeError from inside the backward pass."""
+    try:
+        signature = inspect.signature(model.__call__)
+    except (TypeError, ValueError):  # Python cannot tell: call it as documented
+        return
+    try:
+        signature.bind({})
+    except TypeError:
+        raise ConfigError(
+            f"{type(model).__name__}.__call__ takes {signature}, but the default loss calls "
+            "model(batch) with the batch dict (inputs, segment_ids, positions); take the "
+            "batch, or pass loss_fn= to trainer.run"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -127,8 +166,7 @@ def eval_step(settings: StepSettings, state: TrainState, batch: Batch) -> Metric
         state = settings.offload.to_device(state)  # parameters; the unused rest is never copied
     model = nnx.merge(settings.graphdef, state.params, state.model_state)
     model.eval()  # evaluation drops nothing (`deterministic` modules, e.g. model.dropout)
-    loss, aux = settings.loss_fn(model, batch)
-    weight = _weight(aux, batch)
+    loss, weight = _call_loss(settings.loss_fn, model, batch)
     return {"loss_sum": loss * weight, "weight": weight}
 
 
@@ -169,9 +207,8 @@ def _weighted_grads(settings: StepSettings, params, model_state, batch: Batch, l
 def _loss_and_state(params, model_state, batch: Batch, loss_scale, settings: StepSettings):
     """What the backward pass differentiates, and (loss, weight, new model state) beside it."""
     model = nnx.merge(settings.graphdef, params, model_state)
-    loss, aux = settings.loss_fn(model, batch)
+    loss, weight = _call_loss(settings.loss_fn, model, batch)
     new_model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
-    weight = _weight(aux, batch)
     if loss_scale is None:
         return loss * weight, (loss, weight, new_model_state)
     # The mean loss is scaled, as fp16 practice has it (the sum would overflow sooner);
@@ -179,11 +216,46 @@ def _loss_and_state(params, model_state, batch: Batch, loss_scale, settings: Ste
     return loss * loss_scale, (loss, weight, new_model_state)
 
 
-def _weight(aux: dict[str, jax.Array], batch: Batch) -> jax.Array:
-    """What the loss is a mean over: `aux["weight"]`, else the batch's rows (examples)."""
-    if "weight" in aux:
-        return jnp.asarray(aux["weight"], jnp.float32)
-    return jnp.float32(jax.tree.leaves(batch)[0].shape[0])
+def _call_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """`loss_fn`'s mean loss and what it is a mean over: `aux["weight"]`, else the batch's rows
+    (examples). Its result is checked at trace time, where a wrong one would otherwise end in a
+    JAX error from inside the backward pass, or (an integer loss) in zero gradients."""
+    result = loss_fn(model, batch)
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        several = isinstance(result, tuple | list)
+        got = f"{len(result)} values" if several else f"a single value ({_describe(result)})"
+        raise ConfigError(
+            f"loss_fn returned {got}; return a pair (mean loss, aux dict), e.g. "
+            "(loss, {'weight': number of examples})"
+        )
+    loss, aux = result
+    if not isinstance(aux, Mapping):
+        raise ConfigError(
+            f"loss_fn's aux (the second value it returns) is {_describe(aux)}; return a dict "
+            "of scalars, e.g. {'weight': number of examples}, or {}"
+        )
+    if jnp.ndim(loss) != 0 or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+        raise ConfigError(
+            f"loss_fn returned a loss that is {_describe(loss)}; return one float scalar, the "
+            "mean over the batch (e.g. nll.mean())"
+        )
+    if "weight" not in aux:
+        return loss, jnp.float32(jax.tree.leaves(batch)[0].shape[0])
+    if jnp.ndim(aux["weight"]) != 0:
+        raise ConfigError(
+            f"loss_fn's aux['weight'] is {_describe(aux['weight'])}; return one scalar, the "
+            "number of examples or tokens the loss is a mean over"
+        )
+    return loss, jnp.asarray(aux["weight"], jnp.float32)
+
+
+def _describe(value: Any) -> str:
+    """A value in an error line: its shape and dtype for an array, else its type."""
+    if value is None:
+        return "None"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{value.dtype} of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _all_finite(tree: PyTree) -> jax.Array:

@@ -9,6 +9,7 @@ nnx.Rngs, compute_dtype, param_dtype) -> nnx.Module`; `config.args` carries any 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -121,7 +122,8 @@ def run_model(config: Config, model: Any, dataset_vocab: int) -> tuple[ModelSpec
         build = lambda rngs: nnx.merge(graphdef, values)  # noqa: E731
         return caller_spec(build), build
     if callable(model):
-        return caller_spec(model), lambda rngs: model(rngs)
+        build = caller_builder(model)
+        return caller_spec(build), build
     if model is not None:
         raise ConfigError(f"model={model!r} is neither an nnx.Module nor a factory rngs -> Module")
     vocab_size = config.model.vocab_size or dataset_vocab
@@ -133,6 +135,41 @@ def run_model(config: Config, model: Any, dataset_vocab: int) -> tuple[ModelSpec
             f"({dataset_vocab}); raise model.vocab_size or leave it unset"
         )
     return model_spec(config.model.kind), builder_for_vocab(config, vocab_size)
+
+
+def caller_builder(factory: Callable[..., nnx.Module]) -> Builder:
+    """`rngs -> Module` from a caller's factory, which takes `rngs` by position or, as flax
+    modules often do (`__init__(self, *, rngs)`), by keyword."""
+    signature = _call_signature(factory)
+    if signature is None or _binds(signature, None):
+        return lambda rngs: factory(rngs)
+    if _binds(signature, rngs=None):
+        return lambda rngs: factory(rngs=rngs)
+    name = getattr(factory, "__qualname__", type(factory).__name__)
+    raise ConfigError(
+        f"model={name} takes {signature}, not rngs alone; pass a factory rngs -> nnx.Module "
+        "(e.g. model=lambda rngs: MyModel(..., rngs=rngs)) or a built module"
+    )
+
+
+def _call_signature(factory: Callable[..., Any]) -> inspect.Signature | None:
+    """What calling `factory` takes; a class's `__init__` without `self` (an nnx.Module's
+    metaclass shows only `*args, **kwargs`). None where Python cannot tell."""
+    try:
+        if not isinstance(factory, type):
+            return inspect.signature(factory)
+        signature = inspect.signature(factory.__init__)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def _binds(signature: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def abstract_params(

@@ -5,6 +5,7 @@ a decoder for generation, a Hugging Face adapter. Callers ask the spec, never th
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from trainer.errors import ConfigError
 
 # (model.*, *, vocab_size, rngs, compute_dtype, param_dtype, pipeline, max_docs_per_row) -> Module
 ModelFactory = Callable[..., nnx.Module]
+# What the trainer passes an imported factory (`model.kind: my_pkg.models:build`) after model.*
+FACTORY_KEYWORDS = ("vocab_size", "rngs", "compute_dtype", "param_dtype")
 PyTree = Any
 
 
@@ -70,12 +73,32 @@ def imported_spec(kind: str) -> ModelSpec:
         ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
-        raise ConfigError(f"model.kind={kind!r}: {module_name} has no callable {attribute!r}")
+        raise ConfigError(
+            f"model.kind={kind!r}: {module_name} has no callable {attribute!r}; name a function "
+            "in it, as module:function"
+        )
+    check_factory_signature(kind, factory)
 
     def build(config, *, pipeline=None, max_docs_per_row=None, **settings) -> nnx.Module:
         return factory(config, **settings)
 
     return ModelSpec(factory=build)
+
+
+def check_factory_signature(kind: str, factory: Callable[..., Any]) -> None:
+    """An imported factory must take what the trainer passes; a mismatch otherwise surfaces as
+    a TypeError from inside the sharded init."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # Python cannot tell: call it as documented
+        return
+    try:
+        signature.bind(None, **dict.fromkeys(FACTORY_KEYWORDS))
+    except TypeError:
+        raise ConfigError(
+            f"model.kind={kind!r} takes {signature}; a model factory takes (config, *, "
+            f"{', '.join(FACTORY_KEYWORDS)}) (add **kwargs for the ones it does not use)"
+        ) from None
 
 
 def caller_spec(build: Callable[[nnx.Rngs], nnx.Module]) -> ModelSpec:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from input_pipeline.errors import DataError
 from trainer.config import Config, ModelConfig
 from trainer.errors import ConfigError
 from trainer.models.attention import attention_kernel, facts_here
@@ -66,6 +67,24 @@ class Block(nnx.Module):
         return rows_like_the_batch(x_BxLxD, STAGE_BATCH_AXES)
 
 
+def token_inputs(batch: dict[str, jax.Array]) -> jax.Array:
+    """`batch["inputs"]`, checked at trace time: a caller's batch without integer token ids
+    would otherwise fail inside flax's embedding lookup."""
+    if "inputs" not in batch:
+        raise DataError(
+            f"the built-in transformer reads batch key 'inputs' (token ids [B, L]), and this "
+            f"batch has {sorted(batch)}; yield LM batches, or pass your own model= to "
+            "trainer.run"
+        )
+    inputs_BxL = batch["inputs"]
+    if not jnp.issubdtype(inputs_BxL.dtype, jnp.integer) or inputs_BxL.ndim != 2:
+        raise DataError(
+            f"batch['inputs'] is {inputs_BxL.dtype} of shape {tuple(inputs_BxL.shape)}; token "
+            "ids must be integers of shape [B, L]: yield them as np.int32"
+        )
+    return inputs_BxL
+
+
 class Transformer(nnx.Module):
     """Maps a batch dict (`inputs`, `segment_ids`, `positions`) to float32 logits `[B, L, V]`."""
 
@@ -107,7 +126,7 @@ class Transformer(nnx.Module):
         self.dropout_rngs = nnx.Rngs(dropout=rngs.params()) if spec.dropout > 0 else None
 
     def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
-        inputs_BxL = batch["inputs"]
+        inputs_BxL = token_inputs(batch)
         segment_ids_BxL = batch.get("segment_ids")  # None: one document per row, no mask
         positions_BxL = batch.get("positions")
         if positions_BxL is None:

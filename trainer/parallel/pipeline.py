@@ -62,8 +62,9 @@ def run_pipeline(
     stage_layers = jax.tree.map(lambda a: _by_stage(a.reshape(S, -1, *a.shape[1:])), layers)
     # each microbatch spread over a stage's data-parallel devices (the rows other stages held
     # outside the pipeline are gathered here)
-    xs_MxBxLxD = microbatches(x_BxLxD, M, STAGE_BATCH_AXES)
-    rows_M = jax.tree.map(lambda r: microbatches(r, M, STAGE_BATCH_AXES), rows)
+    split = lambda a: microbatches(a, M, STAGE_BATCH_AXES, "pipeline.microbatches")  # noqa: E731
+    xs_MxBxLxD = split(x_BxLxD)
+    rows_M = jax.tree.map(split, rows)
     stage_ids = jnp.arange(S)
     run_stages = jax.vmap(stage_fn, spmd_axis_name="stage")
 

@@ -131,9 +131,20 @@ def rows_like_the_batch(x: jax.Array, axes: tuple[str, ...] = BATCH_AXES) -> jax
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *rest))
 
 
-def microbatches(x: jax.Array, count: int, axes: tuple[str, ...] = BATCH_AXES) -> jax.Array:
+def microbatches(
+    x: jax.Array,
+    count: int,
+    axes: tuple[str, ...] = BATCH_AXES,
+    setting: str = "optim.accum_steps",
+) -> jax.Array:
     """[B, ...] -> [count, B/count, ...] taking every count-th row, so each microbatch stays
-    spread over all the `axes` devices instead of living on 1/count of them."""
+    spread over all the `axes` devices instead of living on 1/count of them. `setting` is the
+    config key that asks for `count`, named when B does not divide (a caller's own batches)."""
+    if x.shape[0] % count:
+        raise ConfigError(
+            f"a batch of {x.shape[0]} rows does not split into {setting}={count} equal "
+            f"microbatches; yield batches of a multiple of {count} rows, or change {setting}"
+        )
     x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
     rest = [PartitionSpec.UNCONSTRAINED] * (x.ndim - 2)
     return jax.lax.with_sharding_constraint(x, PartitionSpec(None, axes, *rest))

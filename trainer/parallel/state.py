@@ -18,6 +18,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer.errors import ConfigError
 from trainer.loss_scale import LossScale, LossScaling
 from trainer.parallel import sharding
 
@@ -59,7 +60,13 @@ def abstract_model(
 
     def split():
         with nnx.use_eager_sharding(False):
-            return nnx.split(build(rngs=nnx.Rngs(0)), nnx.Param, ...)
+            model = build(rngs=nnx.Rngs(0))
+        if not isinstance(model, nnx.Module):
+            raise ConfigError(
+                f"the model factory returned {type(model).__name__}, not an nnx.Module; "
+                "return the module it builds"
+            )
+        return nnx.split(model, nnx.Param, ...)
 
     # jax.eval_shape, not nnx.eval_shape: the latter resolves logical names against the mesh.
     graphdef, params, rest = jax.eval_shape(split)  # a GraphDef is static: it comes out whole
