@@ -64,3 +64,26 @@ def test_fsdp_keeps_each_devices_activations_to_its_own_rows():
     }
     data_parallel, fsdp = temporaries.values()
     assert fsdp < 1.2 * data_parallel, temporaries
+
+
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        ({"kv": "tensor", "norm": None}, None),  # the model's own axes and the defaults: fine
+        ({"kv_heads": "tensor"}, "mesh.rules.kv_heads names no axis of this model's parameters"),
+    ],
+)
+def test_a_rule_for_an_axis_the_model_lacks_is_refused(rules, message):
+    """A typo in mesh.rules (`kv_heads` for `kv`) used to train with that layout unsharded."""
+    from trainer.config import load_config
+    from trainer.models import builder_for_vocab
+    from trainer.program import build_program
+
+    config = load_config("configs/tiny.yaml", ["mesh.data=1"]).derive({"mesh.rules": rules})
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+    build = lambda: build_program(config, mesh, builder_for_vocab(config, 256))  # noqa: E731
+    if message is None:
+        assert "kv" in build().skeleton.logical_axes
+        return
+    with pytest.raises(ConfigError, match=message):
+        build()

@@ -149,6 +149,7 @@ def build_program(
     rules = sharding.resolve_rules(config.mesh.rules)
     with jax.set_mesh(mesh):
         skeleton, abstract_params, _ = abstract_model(build, mesh, rules)
+        sharding.check_rules_used(config.mesh.rules, skeleton.logical_axes)
         matrices = decay_mask(skeleton.param_specs)  # weight-decayed; cast by every forward
         tx, schedule = make_optimizer(config.optim, config.run.steps, mask=matrices)
         scaling = LossScaling.from_config(config.precision)

@@ -92,6 +92,17 @@ def resolve_rules(overrides: Mapping[str, object] | None = None) -> dict[str, ob
     return rules
 
 
+def check_rules_used(overrides: Mapping[str, object], logical_axes: frozenset[str]) -> None:
+    """A `mesh.rules` key that no parameter uses (and no default names) shards nothing: a typo
+    would silently leave the model unsharded."""
+    unused = sorted(set(overrides) - logical_axes - set(DEFAULT_RULES))
+    if unused:
+        raise ConfigError(
+            f"mesh.rules.{unused[0]} names no axis of this model's parameters; use one of "
+            f"{', '.join(sorted(logical_axes - set(MESH_AXES)))}"
+        )
+
+
 def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> PartitionSpec:
     """Map a PartitionSpec of logical names to mesh axes; a mesh axis is used at most once."""
     used: set[str] = set()

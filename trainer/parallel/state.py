@@ -44,6 +44,7 @@ class ModelSkeleton:
     param_specs: PyTree  # logical PartitionSpecs, same tree as params
     param_shardings: PyTree
     model_state_shardings: PyTree
+    logical_axes: frozenset[str]  # every axis name the parameters and model state use
 
     def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         return nnx.merge(self.graphdef, params, model_state)
@@ -73,11 +74,19 @@ def abstract_model(
     param_specs = _logical_specs(params)
     to_mesh = lambda spec: NamedSharding(mesh, sharding.logical_to_mesh(spec, rules))  # noqa: E731
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    rest_specs = _logical_specs(rest)
     skeleton = ModelSkeleton(
         graphdef=graphdef,
         param_specs=param_specs,
         param_shardings=jax.tree.map(to_mesh, param_specs, is_leaf=is_spec),
-        model_state_shardings=jax.tree.map(to_mesh, _logical_specs(rest), is_leaf=is_spec),
+        model_state_shardings=jax.tree.map(to_mesh, rest_specs, is_leaf=is_spec),
+        logical_axes=frozenset(
+            name
+            for spec in jax.tree.leaves((param_specs, rest_specs), is_leaf=is_spec)
+            for axis in spec
+            for name in (axis if isinstance(axis, tuple) else (axis,))
+            if name is not None
+        ),
     )
     return skeleton, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
