@@ -169,3 +169,19 @@ def test_dataset_vocab_larger_than_model_is_a_config_error(corpus, tmp_path):
     )
     with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller"):
         run(config)
+
+
+def test_an_interrupt_that_aborts_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """A second Ctrl-C (or one before the loop starts) used to end in a KeyboardInterrupt
+    traceback; it is one line saying nothing was saved and how to resume, with exit 130."""
+    import trainer.train
+    from trainer.main import main
+
+    def interrupted(config):
+        raise KeyboardInterrupt("second SIGINT: aborting without saving")
+
+    monkeypatch.setattr(trainer.train, "run", interrupted)
+    assert main(["--config", "configs/tiny.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted without saving; re-run the same command")
+    assert "Traceback" not in err

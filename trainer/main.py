@@ -17,6 +17,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.errors import ConfigError, TrainingError  # noqa: E402
 
 USAGE_EXIT = 2
+INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
+        print(
+            "interrupted without saving; re-run the same command to resume from the latest "
+            "checkpoint",
+            file=sys.stderr,
+        )
+        return INTERRUPTED_EXIT
     summary = f"finished at step {result.step}"
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
