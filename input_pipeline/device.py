@@ -3,6 +3,7 @@ while the current step runs, so a step never starts by copying its input."""
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -54,17 +55,38 @@ def to_global(
     """This host's rows -> one global array per field (every row block in order, each fed by
     `feeders`' processes: `row_feeders`), each with `sharding`, the one the jitted steps declare."""
     local = {name: np.asarray(value) for name, value in batch.items()}
-    if jax.process_count() == 1:  # this host's rows are the global batch
-        # the transfers `jax.device_put` makes, in half its host time (a 64 x 256 batch on the
-        # 2-core CPU: 0.21 ms, not 0.44), which the feed thread takes from the loop's cores
-        return {
-            name: jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
-            for name, value in local.items()
-        }
-    global_shapes = {
-        name: (value.shape[0] * feeders, *value.shape[1:]) for name, value in local.items()
-    }
-    return jax.make_array_from_process_local_data(sharding, local, global_shapes)
+    try:
+        if jax.process_count() == 1:  # this host's rows are the global batch
+            # the transfers `jax.device_put` makes, in half its host time (a 64 x 256 batch on
+            # the 2-core CPU: 0.21 ms, not 0.44), which the feed thread takes from the loop's cores
+            return {
+                name: jax.make_array_from_callback(value.shape, sharding, value.__getitem__)
+                for name, value in local.items()
+            }
+        return jax.make_array_from_process_local_data(
+            sharding, local, _global_shapes(local, feeders)
+        )
+    except ValueError:  # jax's own error names its sharding internals, not the batch or the fix
+        _check_rows_divide(_global_shapes(local, feeders), sharding)
+        raise
+
+
+def _global_shapes(local: Mapping[str, np.ndarray], feeders: int) -> dict[str, tuple[int, ...]]:
+    return {name: (value.shape[0] * feeders, *value.shape[1:]) for name, value in local.items()}
+
+
+def _check_rows_divide(shapes: Mapping[str, tuple[int, ...]], sharding: NamedSharding) -> None:
+    """A caller's batch whose rows do not split over the devices the rows are spread on."""
+    axes = sharding.spec[0] if sharding.spec else None
+    names = axes if isinstance(axes, tuple) else (axes,)
+    blocks = math.prod(sharding.mesh.shape[name] for name in names if name is not None)
+    for name, shape in shapes.items():
+        if not shape or shape[0] % blocks:
+            raise DataError(
+                f"batch field {name!r} has shape {shape}: its rows do not split over the "
+                f"{blocks} devices of mesh {'x'.join(n for n in names if n)}; yield batches of "
+                f"a multiple of {blocks} rows (whole examples, not one example per item)"
+            )
 
 
 class DeviceFeed:

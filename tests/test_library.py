@@ -363,3 +363,17 @@ def test_data_that_cannot_serve_the_run_is_refused_before_training(
         return
     with pytest.raises(trainer.ConfigError, match=message):
         make()
+
+
+def test_a_callers_batch_size_is_its_own_and_is_checked_against_the_mesh(tmp_path):
+    """Before: 24-row batches with optim.accum_steps=3 were refused for data.global_batch_size
+    (32, which the caller's data does not use), and 12-row batches on 8 devices ended in jax's
+    IndivisibleError."""
+    config = config_for(tmp_path / "a", 2).derive({"optim.accum_steps": 3})
+    batches = lambda rows: grain.MapDataset.source(blobs(240, 0)).repeat().batch(rows)  # noqa: E731
+    run = lambda config, rows: trainer.run(  # noqa: E731
+        config, model=Classifier, loss_fn=classification_loss, data=batches(rows)
+    )
+    assert run(config, 24).step == 2
+    with pytest.raises(DataError, match="'x' has shape \\(12, 16\\).* multiple of 8 rows"):
+        run(config_for(tmp_path / "b", 2), 12)

@@ -69,3 +69,17 @@ def test_running_a_finished_run_again_keeps_its_summary(corpus, tmp_path, capfd)
     assert (workdir / "summary.json").read_text() == summary
     assert "run already at step 3 >= run.steps=3" in err
     assert "where the time went" not in err, "no table for a session that did nothing"
+
+
+@pytest.mark.slow
+def test_resuming_on_other_data_says_so(corpus, train_only_corpus, tmp_path, capfd):
+    """Every checkpoint records its dataset's fingerprint; a resume on another dataset used to
+    carry the saved read position over without a word."""
+    workdir = tmp_path / "run"
+    args = [*TINY, f"run.workdir={workdir}", "log.tensorboard=false", "checkpoint.every=2"]
+    run(load_config(None, [*args, f"data.path={corpus}", "run.steps=2"]))
+    run(load_config(None, [*args, f"data.path={corpus}", "run.steps=3"]))
+    assert "trained on other data" not in capfd.readouterr().err
+    run(load_config(None, [*args, f"data.path={train_only_corpus}", "run.steps=4"]))
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "other data" in line]
+    assert len(warnings) == 1 and f"checkpoint.init_from={workdir}" in warnings[0], warnings

@@ -121,14 +121,14 @@ def open_data(
             "model passed to trainer.run is not split into stages: use mesh.stage=1"
         )
     feeders = row_feeders(sharding.batch_sharding(mesh))  # this process's rows, once per run
-    check_batch_layout(
-        config.data.global_batch_size,
-        config.optim.accum_steps,
-        batch_shards=mesh.shape["data"] * mesh.shape["fsdp"] if ours else 1,
-        streams=stream_count(config.data, feeders) if ours else 1,
-        microbatches=pipeline.microbatches if pipeline is not None else 1,
-    )
-    if ours:
+    if ours:  # a caller's batches are checked as they come (data.global_batch_size is not theirs)
+        check_batch_layout(
+            config.data.global_batch_size,
+            config.optim.accum_steps,
+            batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+            streams=stream_count(config.data, feeders),
+            microbatches=pipeline.microbatches if pipeline is not None else 1,
+        )
         skip_log = skip_log_path(config.run.workdir)
         return dataset_sources(
             config.data, seed=config.run.seed, skip_log=skip_log, feeders=feeders
@@ -200,6 +200,14 @@ def announce(
     if start_step:
         where = checkpointer.directory / str(start_step)
         writer.message(f"resuming from {where} (step {start_step}){note}")
+        saved = checkpointer.read_meta(start_step).get("dataset_fingerprint")
+        if saved is not None and saved != sources.fingerprint:
+            writer.message(
+                f"warning: {where} was trained on other data ({saved}; now {sources.fingerprint})"
+                " and its read position is applied to this data; to start the new data from its "
+                "top, use a new run.workdir with checkpoint.init_from="
+                f"{Path(config.run.workdir)}"
+            )
     else:
         staged = (
             ""
