@@ -185,3 +185,21 @@ def test_an_interrupt_that_aborts_is_one_line_not_a_traceback(monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.startswith("interrupted without saving; re-run the same command")
     assert "Traceback" not in err
+
+
+def test_a_step_that_does_not_fit_in_memory_is_one_line(monkeypatch, capsys):
+    """XLA's RESOURCE_EXHAUSTED (e.g. data.seq_len=8192 on the demo model: 25 GB of attention)
+    used to end the CLI in a traceback; it is one line pointing at what shrinks a step."""
+    import trainer.train
+    from trainer.main import main
+
+    def too_big(config):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 25769803776 bytes.\nmore"
+        )
+
+    monkeypatch.setattr(trainer.train, "run", too_big)
+    assert main(["--config", "configs/tiny.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the step does not fit in device memory (RESOURCE_EXHAUSTED")
+    assert "python -m trainer.plan" in err and "more" not in err

@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
+    except RuntimeError as err:  # jax.errors.JaxRuntimeError, without importing jax here
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        print(f"error: {out_of_memory(err)}", file=sys.stderr)
+        return USAGE_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
         print(
             "interrupted without saving; re-run the same command to resume from the latest "
@@ -62,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         summary += f"; eval_loss={result.eval_loss:.4f}"
     print(summary, file=sys.stderr)
     return 0
+
+
+def out_of_memory(err: RuntimeError) -> str:
+    """XLA's out-of-memory error as one line: what did not fit, and what shrinks a step."""
+    first = str(err).strip().splitlines()[0]
+    return (
+        f"the step does not fit in device memory ({first[:160]}); lower data.global_batch_size "
+        "or data.seq_len (raise optim.accum_steps to keep the batch), set model.remat=full, or "
+        "let python -m trainer.plan find a layout that fits"
+    )
 
 
 if __name__ == "__main__":
