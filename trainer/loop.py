@@ -270,9 +270,9 @@ class Loop:
             return
         what = f"loss is {loss}" if not np.isfinite(loss) else "parameters became non-finite"
         raise TrainingError(
-            f"{what} at step {step}; the last good checkpoint is kept. Lower optim.lr, check "
-            "the data, use precision.compute=float32, or set optim.skip_nonfinite=true to "
-            "skip such steps"
+            f"{what} at step {step}; it is not saved (earlier checkpoints are kept). Lower "
+            "optim.lr, check the data (token ids must be below the model's vocabulary), use "
+            "precision.compute=float32, or set optim.skip_nonfinite=true to skip such steps"
         )
 
     def _check_loss_scale(self, step: int, scale: float) -> None:
@@ -282,8 +282,9 @@ class Loop:
             return
         raise TrainingError(
             f"float16 gradients overflowed at step {step} even at the minimum loss scale "
-            f"(precision.loss_scale_min={floor:g}); the last good checkpoint is kept. Lower "
-            "optim.lr, or train in precision.compute=bfloat16 (GPUs with bf16) or float32"
+            f"(precision.loss_scale_min={floor:g}); it is not saved (earlier checkpoints are "
+            "kept). Lower optim.lr, or train in precision.compute=bfloat16 (GPUs with bf16) or "
+            "float32"
         )
 
     def _read_finished(
