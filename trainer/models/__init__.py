@@ -9,7 +9,6 @@ nnx.Rngs, compute_dtype, param_dtype) -> nnx.Module`; `config.args` carries any 
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +28,8 @@ from trainer.models.spec import (
     Decoder,
     HfAdapter,
     ModelSpec,
+    binds,
+    call_signature,
     caller_spec,
     imported_spec,
 )
@@ -140,36 +141,16 @@ def run_model(config: Config, model: Any, dataset_vocab: int) -> tuple[ModelSpec
 def caller_builder(factory: Callable[..., nnx.Module]) -> Builder:
     """`rngs -> Module` from a caller's factory, which takes `rngs` by position or, as flax
     modules often do (`__init__(self, *, rngs)`), by keyword."""
-    signature = _call_signature(factory)
-    if signature is None or _binds(signature, None):
+    signature = call_signature(factory)
+    if signature is None or binds(signature, None):
         return lambda rngs: factory(rngs)
-    if _binds(signature, rngs=None):
+    if binds(signature, rngs=None):
         return lambda rngs: factory(rngs=rngs)
     name = getattr(factory, "__qualname__", type(factory).__name__)
     raise ConfigError(
         f"model={name} takes {signature}, not rngs alone; pass a factory rngs -> nnx.Module "
         "(e.g. model=lambda rngs: MyModel(..., rngs=rngs)) or a built module"
     )
-
-
-def _call_signature(factory: Callable[..., Any]) -> inspect.Signature | None:
-    """What calling `factory` takes; a class's `__init__` without `self` (an nnx.Module's
-    metaclass shows only `*args, **kwargs`). None where Python cannot tell."""
-    try:
-        if not isinstance(factory, type):
-            return inspect.signature(factory)
-        signature = inspect.signature(factory.__init__)
-    except (TypeError, ValueError):
-        return None
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-def _binds(signature: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError:
-        return False
-    return True
 
 
 def abstract_params(

@@ -88,17 +88,33 @@ def imported_spec(kind: str) -> ModelSpec:
 def check_factory_signature(kind: str, factory: Callable[..., Any]) -> None:
     """An imported factory must take what the trainer passes; a mismatch otherwise surfaces as
     a TypeError from inside the sharded init."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # Python cannot tell: call it as documented
-        return
-    try:
-        signature.bind(None, **dict.fromkeys(FACTORY_KEYWORDS))
-    except TypeError:
+    signature = call_signature(factory)  # None: Python cannot tell; call it as documented
+    if signature is not None and not binds(signature, None, **dict.fromkeys(FACTORY_KEYWORDS)):
         raise ConfigError(
             f"model.kind={kind!r} takes {signature}; a model factory takes (config, *, "
             f"{', '.join(FACTORY_KEYWORDS)}) (add **kwargs for the ones it does not use)"
-        ) from None
+        )
+
+
+def call_signature(factory: Callable[..., Any]) -> inspect.Signature | None:
+    """What calling `factory` takes; a class's `__init__` without `self` (an nnx.Module's
+    metaclass shows only `*args, **kwargs`). None where Python cannot tell."""
+    try:
+        if not isinstance(factory, type):
+            return inspect.signature(factory)
+        signature = inspect.signature(factory.__init__)
+    except (TypeError, ValueError):
+        return None
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def binds(signature: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
+    """Whether a call with these arguments fits `signature`."""
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def caller_spec(build: Callable[[nnx.Rngs], nnx.Module]) -> ModelSpec:
