@@ -465,18 +465,14 @@ def _override_value(key: str, raw: str) -> Any:
 
 def _is_text_field(parts: list[str]) -> bool:
     """Whether the schema types the dotted key `parts` as text (`str` or `str | None`)."""
-    section: Any = Config
-    for depth, part in enumerate(parts):
-        fields = {f.alias or name: f for name, f in section.model_fields.items()}
-        field = fields.get(part)
-        if field is None:
-            return False
-        if depth == len(parts) - 1:
-            return field.annotation in (str, str | None)
-        section = _model_in(field.annotation)
-        if section is None:
-            return False
-    return False
+    section = _section_at(tuple(parts))
+    field = _keyed_fields(section).get(parts[-1]) if section else None
+    return field is not None and field.annotation in (str, str | None)
+
+
+def _keyed_fields(section: type[BaseModel]) -> dict[str, Any]:
+    """A schema class's fields by the key a config spells (`async`, not `async_`)."""
+    return {field.alias or name: field for name, field in section.model_fields.items()}
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -531,7 +527,7 @@ def _describe(err: pydantic.ValidationError) -> str:
     key = _dotted(loc)
     if first["type"] == "extra_forbidden":
         section = _section_at(loc)
-        valid = [f.alias or name for name, f in section.model_fields.items()] if section else []
+        valid = list(_keyed_fields(section)) if section else []
         prefix = key[: -len(str(loc[-1]))]
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         if close:
