@@ -38,6 +38,11 @@ FIELDS = {
 }
 
 
+def blank_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    """All-padding rows of `FIELDS`: what an eval stream with no records yields."""
+    return {name: np.zeros((rows, seq_len), dtype) for name, dtype in FIELDS.items()}
+
+
 class ConcatPackIterDataset(grain.IterDataset):
     """Decoded records -> whole `[B, L]` batches of `FIELDS` (the batch contract, pipeline.py).
 

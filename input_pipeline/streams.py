@@ -21,13 +21,6 @@ Batch = dict[str, np.ndarray]
 OpenStream = Callable[[int, int], Iterator[Batch]]  # (stream index, stream count) -> batches
 
 
-def blank_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
-    """All-padding rows in the batch contract: what an eval stream with no records yields."""
-    zeros = np.zeros((rows, seq_len), np.int32)
-    names = ("inputs", "targets", "segment_ids", "positions")
-    return {**{name: zeros for name in names}, "weights": np.zeros((rows, seq_len), np.float32)}
-
-
 def owned_streams(streams: int, process_index: int, process_count: int) -> range:
     """The streams process `process_index` reads; a one-line error when they do not split."""
     if streams % process_count:

@@ -27,10 +27,11 @@ from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
+from input_pipeline.packing import blank_batch
 from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, available_memory, count_skipped, memory_needed
-from input_pipeline.streams import StreamBatches, blank_batch
+from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
