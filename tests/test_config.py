@@ -170,3 +170,144 @@ def test_config_file_that_is_a_folder_or_not_text(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00\x89PNG")
     with pytest.raises(ConfigError, match="is not text .not UTF-8.; pass --config a YAML file"):
         load_config(binary)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["run.steps=true"], "run.steps: Input should be a valid integer (got true); use a whole"),
+        (["mesh.fsdp=yes"], "mesh.fsdp: Input should be a valid integer (got true)"),
+        (["optim.lr=true"], "optim.lr: Input should be a valid number (got true); use a number"),
+        (["optim.weight_decay=false"], "optim.weight_decay: Input should be a valid number"),
+        (["data.mixture=[{path: a, weight: on}]"], "data.mixture[0].weight: Input should be a"),
+    ],
+)
+def test_a_bool_is_not_a_number(overrides, expected):
+    """pydantic's lax mode read true as 1: `run.steps=true` trained one step and exited 0."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_numbers_a_user_writes_still_load():
+    """YAML reads 3e-4 as text and 0 as an int: both still fill float keys; 2.0 fills an int."""
+    config = load_config(
+        None, ["optim.lr=3e-4", "optim.weight_decay=0", "run.steps=2.0", "model.dropout=0"]
+    )
+    assert (config.optim.lr, config.optim.weight_decay) == (pytest.approx(3e-4), 0.0)
+    assert (config.run.steps, config.model.dropout) == (2, 0.0)
+    assert type(config.run.steps) is int and type(config.optim.weight_decay) is float
+
+
+FINITE = "Input should be a finite number"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optim.eps=.inf", f"optim.eps: {FINITE} (got inf); use a finite number"),
+        ("optim.eps=nan", f"optim.eps: {FINITE} (got 'nan')"),
+        ("optim.lr=.inf", f"optim.lr: {FINITE}"),
+        ("optim.clip_norm=.inf", f"optim.clip_norm: {FINITE}"),
+        ("precision.loss_scale_max=.inf", f"precision.loss_scale_max: {FINITE}"),
+        ("log.peak_tflops=.nan", f"log.peak_tflops: {FINITE} (got nan)"),
+        ("data.mixture=[{path: a, weight: .inf}]", f"data.mixture[0].weight: {FINITE}"),
+        ("model.rope_scaling={type: linear, factor: .inf}", "factor=inf is not a positive finite"),
+    ],
+)
+def test_numbers_must_be_finite(override, expected):
+    """`optim.eps=.inf` loaded, and the run then learned nothing."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_infinite_step_timeout_means_no_watchdog_and_round_trips(tmp_path):
+    """run.step_timeout_s is the one float key where .inf means something: never time out."""
+    config = load_config(None, ["run.step_timeout_s=.inf"])
+    assert config.run.step_timeout_s == float("inf")
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config.to_yaml())
+    assert load_config(saved) == config
+    with pytest.raises(ConfigError, match=r"run.step_timeout_s: Input should be greater than 0"):
+        load_config(None, ["run.step_timeout_s=.nan"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "run.workdir=''",
+        "run.name=''",
+        "data.path=''",
+        "checkpoint.init_from=''",
+        "eval.sample_prompts=['']",
+        "data.mixture=[{path: '', weight: 1}]",
+    ],
+)
+def test_empty_text_is_refused(override):
+    """`run.workdir: ""` wrote checkpoints into the current folder; an empty sample prompt stopped
+    the run at its first eval with the fix of another tool (`give a --prompt`)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert "String should have at least 1 character (got '')" in message
+    assert message.endswith("; give it a value, or leave the key out for its default")
+
+
+def test_a_negative_seed_is_refused_before_grain_sees_it():
+    """Grain raised `expected non-negative integer` with a traceback after the model was built."""
+    with pytest.raises(ConfigError, match=r"^run.seed: Input should be greater than or equal to 0"):
+        load_config(None, ["run.seed=-1"])
+    assert load_config(None, ["run.seed=4294967296"]).run.seed == 2**32
+
+
+@pytest.mark.parametrize("rule", ["true", "3", "[data, 3]"])
+def test_a_sharding_rule_that_is_not_an_axis_name_names_the_rule(rule):
+    """The error said `mesh.rules.embed.str: ...`, pydantic's union member in the key."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"mesh.rules={{embed: {rule}}}"])
+    assert str(info.value).startswith("mesh.rules.embed=")
+    assert "is not a mesh axis; use an axis name, a list of them, or null" in str(info.value)
+    assert load_config(None, ["mesh.rules={embed: [data, fsdp], kv: null}"]).mesh.rules == {
+        "embed": ["data", "fsdp"],
+        "kv": None,
+    }
+
+
+def test_cli_bool_for_steps_exits_2_before_training(repo_root, tmp_path):
+    proc = cli(repo_root, "run.steps=true", f"run.workdir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: run.steps: Input should be a valid integer (got true); use a whole number\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "optim:\n  lr: 1.0e-3\nrun:\n  steps: 5\noptim:\n  warmup_steps: 5\n",
+            "line 5 repeats the key optim (first on line 1), and YAML would keep only the last; "
+            "give each key once (a section once, holding all its keys)",
+        ),
+        ("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", "line 3 repeats the key lr (first on line 2)"),
+    ],
+)
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, text, expected):
+    """PyYAML keeps the last of a repeated key silently: a second `optim:` section dropped the
+    first one's lr, and the run trained at the default."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"config file {path} {expected}")
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("optim:\n  <<: {lr: 1.0e-3, warmup_steps: 3}\n  lr: 2.0e-3\n")
+    config = load_config(path)
+    assert (config.optim.lr, config.optim.warmup_steps) == (2.0e-3, 3)
+    with pytest.raises(ConfigError, match=r"^override model.args=\{a: 1, a: 2\} repeats the key a"):
+        load_config(None, ["model.args={a: 1, a: 2}"])

@@ -52,7 +52,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["80XB", "GB", "-1GB", "", "eleven GB"])
+@pytest.mark.parametrize("text", ["80XB", "GB", "-1GB", "", "eleven GB", "1" + "0" * 400 + "GB"])
 def test_parse_size_rejects_what_is_not_a_size(text):
     with pytest.raises(ConfigError, match="is not a size; use e.g. 80GB"):
         parse_size(text)
@@ -227,16 +227,49 @@ def test_cli_prints_the_plan(repo_root):
 # ----------------------------------------------------------------------------- --gpu
 
 
-def test_gpu_plan_that_cannot_compile_says_so_in_one_line_and_plans_on_cpu(capsys):
-    """A GPU the plan cannot compile for (here: one it does not describe; without jax's CUDA
-    plugin: any) costs one line, then the XLA:CPU estimate follows with its measured error."""
-    assert main(["--config", TINY, "--devices", "2", "--gpu", "h300"]) == 0
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("h300", "did you mean --gpu h200? "),
+        ("rtx2080", "did you mean --gpu rtx2080ti? "),
+        ("", ""),
+    ],
+)
+def test_an_unknown_gpu_is_bad_input_before_any_compile(name, hint, capsys, monkeypatch):
+    """A typo in --gpu once planned on XLA:CPU with an 80 GB budget, answering for the wrong card
+    (an 11 GB RTX 2080 Ti user got a fit): now exit 2 with the known names, nothing compiled."""
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled for an unknown --gpu")
+
+    monkeypatch.setattr(plan, "measure", no_compile)
+    assert main(["--config", TINY, "--devices", "2", "--gpu", name]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: --gpu {name!r} is not a GPU the plan knows; {hint}pass one of ")
+    assert ", ".join(GPUS) in err
+
+
+def test_a_known_gpu_that_cannot_compile_here_plans_on_cpu_with_its_memory(capsys, monkeypatch):
+    """A GPU the plan knows but cannot compile for here (no jax CUDA plugin, simulated so the test
+    runs either way) costs one line, then the XLA:CPU estimate follows with its measured error,
+    against that GPU's memory, not 80 GB; the name is matched in any case."""
+
+    def no_plugin(gpu, count):
+        raise GpuPlanError("jax's CUDA plugin is not installed")
+
+    monkeypatch.setattr(plan, "gpu_devices", no_plugin)
+    assert main(["--config", TINY, "--devices", "2", "--gpu", "RTX2080Ti"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("--gpu h300: cannot compile for it here: the plan does not describe")
-    assert lines[0].endswith("planning with XLA:CPU instead")
+    assert lines[0] == (
+        "--gpu RTX2080Ti: cannot compile for it here: jax's CUDA plugin is not installed; "
+        "planning with XLA:CPU instead"
+    )
     assert "XLA:CPU buffer assignment" in lines[2]
     assert CPU_ERROR in lines
     assert sum("cannot compile" in line for line in lines) == 1
+    budget = format_bytes(GPUS["rtx2080ti"].memory)
+    assert any(line.startswith(f"fits in {budget} per device: yes") for line in lines), lines
 
 
 def gpu_or_skip(name: str, count: int) -> Target:

@@ -4,6 +4,7 @@ change them. Every user mistake becomes a one-line `ConfigError` that names the 
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -11,27 +12,63 @@ from typing import Any, Literal, Union
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticKnownError
 
 from trainer.errors import ConfigError
 
 
 class _Section(BaseModel):
-    """Strict, read-only section: unknown keys are errors; variants come from `Config.derive`."""
+    """Strict, read-only section: unknown keys are errors; variants come from `Config.derive`.
+    Numbers must be finite (`.inf` and `.nan` train nothing) and text must not be empty (an empty
+    `run.workdir` is the current folder)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        populate_by_name=True,
+        allow_inf_nan=False,
+        str_min_length=1,
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode reads true as 1: `run.steps=true` would train one step. Strict
+        number types would also refuse `optim.lr=3e-4`, which YAML reads as text."""
+        if isinstance(value, bool) and info.field_name is not None:
+            number = _number_type(cls.model_fields[info.field_name].annotation)
+            if number is not None:
+                raise PydanticKnownError("int_type" if number is int else "float_type")
+        return value
+
+
+def _number_type(annotation: Any) -> type | None:
+    """`int` or `float` where `annotation` (`int`, `float | None`, `int | Literal[...]`) takes a
+    number; None for any other type (`bool` included)."""
+    for kind in (annotation, *typing.get_args(annotation)):
+        if kind in (int, float):
+            return kind
+    return None
 
 
 class RunConfig(_Section):
     name: str = "run"  # the label of the startup line and `trainer.report`; "run" = the folder's
     workdir: str = "workdirs/run"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)  # Grain refuses a negative seed; jax.random.key, 2**63
     steps: int = Field(1000, ge=1)
     # Seconds a step (or its data wait, eval, save) may take before the process dumps its stacks
     # and exits 3 (trainer/observe/watchdog.py); the first step (compiling) gets at least 15
     # minutes. None: 10x the median of the first steps, at least 300 s (15 minutes for evals
-    # and saves)
-    step_timeout_s: float | None = Field(None, gt=0)
+    # and saves). .inf: never (the one float key where infinity means something: no watchdog)
+    step_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=True)
 
 
 class MixtureSource(_Section):
@@ -195,10 +232,11 @@ def _check_rope_scaling(scaling: dict[str, Any]) -> None:
         raise ValueError(f"model.rope_scaling of type {kind} needs {', '.join(missing)}")
     for key in ROPE_SCALING_KEYS[kind]:
         value = scaling[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and 0 < value < math.inf):
             raise ValueError(
-                f"model.rope_scaling.{key}={value!r} is not a positive number; set it as the "
-                "checkpoint's config.json does (e.g. factor: 8.0)"
+                f"model.rope_scaling.{key}={value!r} is not a positive finite number; set it as "
+                "the checkpoint's config.json does (e.g. factor: 8.0)"
             )
 
 
@@ -210,6 +248,19 @@ class MeshConfig(_Section):
     fsdp: int = 1
     tensor: int = 1
     rules: dict[str, str | list[str] | None] = Field(default_factory=dict)
+
+    @field_validator("rules", mode="before")
+    @classmethod
+    def _rule_targets(cls, value: Any) -> Any:
+        """Checked here so the error names the rule, not pydantic's union member (`.str`)."""
+        for name, target in value.items() if isinstance(value, dict) else ():
+            axes = target if isinstance(target, list) else [target]
+            if target is not None and not all(isinstance(axis, str) for axis in axes):
+                raise ValueError(
+                    f"mesh.rules.{name}={_as_typed(target)} is not a mesh axis; use an axis "
+                    "name, a list of them, or null (not sharded), e.g. mesh.rules={kv: tensor}"
+                )
+        return value
 
     @model_validator(mode="after")
     def _one_fill_axis(self) -> MeshConfig:
@@ -413,6 +464,31 @@ def _validated(tree: dict[str, Any]) -> Config:
         raise ConfigError(_describe(err)) from None
 
 
+class _RepeatedKeyError(Exception):
+    """A YAML mapping that gives `key` twice: at line `line`, first at line `first`."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(key, line, first)
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML whose mappings refuse a repeated key: PyYAML keeps the last one silently, so a second
+    `optim:` section dropped every key of the first. Merge keys (`<<: *base`) may still be
+    overridden."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in first_lines:
+                raise _RepeatedKeyError(key, line, first_lines[key])
+            first_lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError(f"config file {path} is a folder; pass --config configs/<name>.yaml")
@@ -428,7 +504,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"cannot read config file {path} ({err.strerror}); check it") from None
     try:
-        tree = yaml.safe_load(text) or {}
+        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except _RepeatedKeyError as err:
+        raise ConfigError(
+            f"config file {path} line {err.line} repeats the key {err.key} (first on line "
+            f"{err.first}), and YAML would keep only the last; give each key once (a section "
+            "once, holding all its keys)"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -453,7 +535,9 @@ def _override_value(key: str, raw: str) -> Any:
     if not raw.strip():
         return None
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=_UniqueKeyLoader)
+    except _RepeatedKeyError as err:
+        raise ConfigError(f"override {key}={raw} repeats the key {err.key}; give it once") from None
     except yaml.YAMLError:
         raise ConfigError(
             f"override {key}={raw} is not a valid YAML value; write lists as [a, b] and "
@@ -516,7 +600,10 @@ def _dotted(loc: tuple) -> str:
     """`("data", "mixture", 0, "path")` as `data.mixture[0].path`."""
     key = ""
     for part in loc:
-        key += f"[{part}]" if isinstance(part, int) else f"{'.' if key else ''}{part}"
+        if part == "[key]":  # pydantic's marker for an error in a mapping's key, not its value
+            continue
+        name = part if part != "" else "''"  # an empty mapping key, e.g. `model.args: {"": 1}`
+        key += f"[{part}]" if isinstance(part, int) else f"{'.' if key else ''}{name}"
     return key
 
 
@@ -542,16 +629,25 @@ def _describe(err: pydantic.ValidationError) -> str:
         return f"{key} is required; add it to the config"
     got = first.get("input")
     if first["type"] == "model_type":  # pydantic names our class; the user wrote a section
-        return f"{key}={got!r} is not a mapping of keys; write {key} as {{key: value, ...}}"
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        got = _as_typed(got)
+        return f"{key}={got} is not a mapping of keys; write {key} as {{key: value, ...}}"
+    shown = "" if isinstance(got, dict) else f" (got {_as_typed(got)})"
     fix = next((fix for kind, fix in _TYPE_FIXES.items() if first["type"].startswith(kind)), None)
     return f"{key}: {message}{shown}" + (f"; {fix}" if fix else "")
 
 
-# The fix for a value of the wrong type, by pydantic error type prefix (numbers: the message
-# already says which kind).
+def _as_typed(value: Any) -> str:
+    """`value` as a config spells it: true, not Python's True (`yes` and `on` read as true)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+# The fix for a value of the wrong type, by pydantic error type prefix; the first match wins.
 _TYPE_FIXES = {
     "bool_": "use true or false",
+    "int_": "use a whole number",
+    "float_": "use a number, e.g. 0.5 or 3e-4",
+    "finite_number": "use a finite number (.inf and .nan are not)",
+    "string_too_short": "give it a value, or leave the key out for its default",
     "string_": "use text (quote it in YAML)",
     "list_": "use a list, e.g. [a, b]",
     "dict_": "use a mapping, e.g. {key: value}",

@@ -4,11 +4,12 @@ not fit, the change with the least modelled step-time cost that does, itself com
 
     python -m trainer.plan --config configs/1b.yaml --gpu h100 --devices 8 [key=value ...]
 
-With `--gpu NAME` (h200, h100, a100, l4, rtx2080ti, ...: `trainer.plan.gpu.GPUS`) XLA's GPU
-compiler compiles the step for that GPU, here, without one (jax's CUDA plugin, the `gpu-plan`
-extra): its buffer assignment, within 2.5% of the peaks measured on an H200. Without `--gpu`, or
-where that compile is impossible (one line says why), XLA:CPU compiles it for N fake CPU devices:
-an estimate that read 1.4x to 3x the GPU's peak (printed beside it).
+With `--gpu NAME` (h200, h100, a100, l4, rtx2080ti, ...: `trainer.plan.gpu.GPUS`; any other name
+is bad input) XLA's GPU compiler compiles the step for that GPU, here, without one (jax's CUDA
+plugin, the `gpu-plan` extra): its buffer assignment, within 2.5% of the peaks measured on an
+H200. Without `--gpu`, or where that compile is impossible (one line says why), XLA:CPU compiles
+it for N fake CPU devices: an estimate that read 1.4x to 3x the GPU's peak (printed beside it),
+against the GPU's memory.
 
 Exit 0: fits; 1: does not fit (a suggested change, if one was found, is printed); 2: bad input.
 """
@@ -16,6 +17,7 @@ Exit 0: fits; 1: does not fit (a suggested change, if one was found, is printed)
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import sys
 from contextlib import nullcontext
@@ -266,8 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    known = GPUS.get(args.gpu)
     try:
+        known = known_gpu(args.gpu)
         budget = parse_size(args.device_memory or (str(known.memory) if known else "80GB"))
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} is not a device count; pass 1 or more")
@@ -298,12 +300,27 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def known_gpu(name: str | None) -> Gpu | None:
+    """The GPU `--gpu` names (any case), None without `--gpu`; a name the plan does not know is
+    bad input, since planning on with 80GB would answer for the wrong card."""
+    if name is None:
+        return None
+    if name.lower() in GPUS:
+        return GPUS[name.lower()]
+    close = difflib.get_close_matches(name.lower(), GPUS, n=1, cutoff=0.6)
+    hint = f"did you mean --gpu {close[0]}? " if close else ""
+    raise ConfigError(
+        f"--gpu {name!r} is not a GPU the plan knows; {hint}pass one of {', '.join(GPUS)}, or "
+        "leave --gpu out (XLA:CPU estimate, with --device-memory as the budget)"
+    )
+
+
 def _measure_base(
     config: Config, devices: list[jax.Device], args: argparse.Namespace
 ) -> tuple[Footprint, Target]:
     """The footprint on `--gpu`'s target, or on XLA:CPU after one line saying why it cannot be."""
     try:
-        target = Target() if args.gpu is None else gpu_target(args.gpu, len(devices))
+        target = Target() if args.gpu is None else gpu_target(args.gpu.lower(), len(devices))
         return measure(config, devices, target, args.one_document_per_row), target
     except GpuPlanError as err:
         fallback = "planning with XLA:CPU instead"

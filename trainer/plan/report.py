@@ -23,7 +23,8 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
     size = 0
     if match and match.group(2).lower() in _UNITS:
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        size = int(value) if math.isfinite(value) else 0  # 400 digits read as infinity
     if size < 1:  # zero would divide the fit line by zero
         raise ConfigError(
             f"--device-memory {text!r} is not a size; use e.g. 80GB, 11GiB, 512MB or a byte count"
