@@ -4,6 +4,7 @@ through the CLI, as a user drives it."""
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -185,6 +186,38 @@ def test_an_interrupt_that_aborts_is_one_line_not_a_traceback(monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.startswith("interrupted without saving; re-run the same command")
     assert "Traceback" not in err
+
+
+def test_an_interrupt_inside_the_save_task_is_not_logged_again_at_exit(tmp_path, repo_root):
+    """A second Ctrl-C during a save is raised inside Orbax's asyncio task; asyncio logged it
+    again, with ~75 lines of traceback, when it collected that task at exit."""
+    script = tmp_path / "interrupted_save.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, sys
+            import trainer.train
+            from trainer.main import main
+
+            async def save():  # where the second SIGINT's KeyboardInterrupt is raised
+                raise KeyboardInterrupt("second SIGINT: aborting without saving")
+
+            async def run_sync():  # as orbax's asyncio_utils.run_sync wraps it: its own task
+                return await asyncio.ensure_future(save())
+
+            trainer.train.run = lambda config: asyncio.new_event_loop().run_until_complete(
+                run_sync()
+            )
+            sys.exit(main(["--config", "configs/tiny.yaml"]))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=repo_root
+    )
+    assert done.returncode == 130
+    assert done.stderr.startswith("interrupted without saving; re-run the same command")
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr
 
 
 def test_a_step_that_does_not_fit_in_memory_is_one_line(monkeypatch, capsys):

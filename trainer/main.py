@@ -7,6 +7,7 @@ data, checkpoint mismatch) print one line and exit 2; everything else is a real 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out_of_memory(err)}", file=sys.stderr)
         return USAGE_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
+        # Raised inside Orbax's save task, the interrupt would be logged again, with its
+        # traceback, when asyncio collects that task at exit.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
         print(
             "interrupted without saving; re-run the same command to resume from the latest "
             "checkpoint",
