@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import grain
 import numpy as np
@@ -63,6 +64,7 @@ class ReadRecords(grain.transforms.Map):
         num_epochs: int | None,
         per_read: int,
         epoch_shift: int = 0,
+        name: str = "this split",
     ):
         self.source = source
         self.decode = DecodeRecord(dtype)
@@ -72,6 +74,9 @@ class ReadRecords(grain.transforms.Map):
         self.epoch_shift = epoch_shift
         self.total = None if num_epochs is None else self.host_records * num_epochs
         self._orders: dict[int, np.ndarray] = {}  # the latest epochs' permutations
+        self.unreadable = UnreadableRecords(
+            self.host_records, f"{name} (data stream {host_index} of {host_count})"
+        )
 
     @property
     def num_reads(self) -> int:
@@ -109,7 +114,51 @@ class ReadRecords(grain.transforms.Map):
         for i in firsts:
             if decoded[i] is not None:
                 decoded[i] = self._shifted(decoded[i], int(epochs[i]))
-        return [record for record in decoded if record is not None]
+        kept = [record for record in decoded if record is not None]
+        if not kept:
+            self.unreadable.add(local)
+        elif not self.unreadable.readable:
+            self.unreadable.readable = True
+        return kept
+
+
+class UnreadableRecords:
+    """A stream's records found unreadable while none has been readable yet: with
+    `data.skip_corrupt` a stream whose every record is unreadable would skip them forever, so
+    that is a `DataError`. Only reads that return no record are looked at (a bit per record,
+    dropped at the first readable one), so a healthy stream pays one flag per read."""
+
+    def __init__(self, num_records: int, name: str):
+        self.num_records, self.name = num_records, name
+        self.readable = False
+        self._seen: np.ndarray | None = None  # one bit per record found unreadable
+        self._count = 0
+        self._lock = threading.Lock()  # read threads share this
+
+    def add(self, records: np.ndarray) -> None:
+        if self.readable or not len(records):
+            return
+        with self._lock:
+            if self._seen is None:
+                self._seen = np.zeros((self.num_records + 7) // 8, np.uint8)
+            unique = np.unique(records)
+            byte, bit = unique >> 3, (unique & 7).astype(np.uint8)
+            fresh = (self._seen[byte] >> bit) & 1 == 0
+            np.bitwise_or.at(self._seen, byte[fresh], np.left_shift(1, bit[fresh], dtype=np.uint8))
+            self._count += int(fresh.sum())
+            if self._count == self.num_records:
+                raise DataError(
+                    f"none of the {self.num_records} records of {self.name} is readable: "
+                    "data.skip_corrupt=true skipped every one, so there is nothing to read; "
+                    "restore the shards or re-run python -m input_pipeline.prepare --overwrite"
+                )
+
+    def __getstate__(self) -> dict:  # worker processes keep their own count
+        return {**self.__dict__, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
 
 def to_batch_contract(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -203,6 +252,7 @@ def arrayrecord_pairs(
         num_epochs=reading.num_epochs,
         per_read=min(MAX_READ_RECORDS, max(1, round(READ_TOKENS / max(1.0, mean_tokens)))),
         epoch_shift=epoch_shift,
+        name=f"{info.path} {split} split",
     )
     if reads.host_records == 0 and reading.num_epochs is None:  # a finite pass may be empty
         raise DataError(

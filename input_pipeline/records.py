@@ -208,7 +208,12 @@ def log_skip(skip_log: str | None, entry: dict[str, Any], warned: set[str]) -> N
     alone is easy to miss."""
     if skip_log is None:
         return
-    fd = os.open(skip_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    try:
+        fd = os.open(skip_log, flags, 0o644)
+    except FileNotFoundError:  # data.cache=memory reads the shards before the run's workdir exists
+        Path(skip_log).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(skip_log, flags, 0o644)
     try:
         os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:

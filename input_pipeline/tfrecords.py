@@ -85,6 +85,7 @@ def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.
         skip_corrupt=reading.skip_corrupt,
         skip_log=skip_log,
         warned=set(),  # shared by this reader's shards of every epoch: one warning per file
+        empty=EmptyShards(paths, in_order=not reading.shuffle),
     )
     shards = files.repeat(reading.num_epochs).map(shard)
     # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
@@ -113,6 +114,7 @@ class TFRecordShard(grain.IterDataset):
         skip_corrupt: bool,
         skip_log: str | None,
         warned: set[str] | None = None,
+        empty: EmptyShards | None = None,
     ):
         super().__init__()
         self.path = path
@@ -120,6 +122,7 @@ class TFRecordShard(grain.IterDataset):
         self.skip_corrupt = skip_corrupt
         self.skip_log = skip_log
         self.warned = set() if warned is None else warned
+        self.empty = EmptyShards([path], in_order=True) if empty is None else empty
 
     def __iter__(self) -> grain.DatasetIterator:
         return _ShardIterator(self)
@@ -133,6 +136,8 @@ class _ShardIterator(grain.DatasetIterator):
         super().__init__()
         self._shard = shard
         self._example = tensorflow().train.Example
+        self._good = 0  # records returned: a shard read whole that returns none is `empty`
+        self._whole: bool | None = True  # read from its start, not resumed mid-shard; None: ended
         try:
             self._records = iter(grain.experimental.TFRecordIterDataset(shard.path))
         except OSError as err:
@@ -143,13 +148,25 @@ class _ShardIterator(grain.DatasetIterator):
             offset = self._records.get_state()["reader_offset"]
             try:
                 record = next(self._records)
+            except StopIteration:
+                self._ended()
+                raise
             except (ValueError, OverflowError, MemoryError):  # a cut or garbled length field
                 self._bad(offset, TRUNCATED)
+                self._ended()
                 raise StopIteration from None  # the rest of the shard cannot be framed
             tokens, problem = parse_example(self._example, record, self._shard.vocab_size)
             if problem is None:
+                if not self._good:  # the reader has something to read: said at once
+                    self._shard.empty.returned_any = True
+                self._good += 1
                 return {"inputs": tokens[:-1], "targets": tokens[1:]}
             self._bad(offset, problem)
+
+    def _ended(self) -> None:
+        if self._whole is not None:  # said once, however often Grain asks again
+            self._shard.empty.shard_ended(self._shard.path, self._good, self._whole)
+            self._whole = None
 
     def _bad(self, offset: int, problem: str) -> None:
         path = self._shard.path
@@ -166,6 +183,50 @@ class _ShardIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._records.set_state(state)
+        self._whole = state.get("reader_offset", 0) == 0
+
+
+class EmptyShards:
+    """Which of a reader's shards, read whole, returned no record: with `data.skip_corrupt` a
+    reader whose shards all do would skip every record forever, so that is a `DataError`.
+    Checked once per shard read, never per record. `in_order` (unshuffled): the reader (or a
+    Grain worker, which may see only some shards) goes round its shards in a fixed order, so a
+    shard found empty a third time with no record returned yet closes two whole rounds; two,
+    because Grain opens the next shards before the current one's first record is read."""
+
+    ROUNDS = 3
+
+    def __init__(self, paths: list[str], in_order: bool):
+        self.paths = sorted(set(paths))
+        self.in_order = in_order
+        self.empty: dict[str, int] = {}  # shard -> whole reads that returned no record
+        self.returned_any = False
+
+    def shard_ended(self, path: str, returned: int, whole: bool) -> None:
+        self.returned_any = self.returned_any or returned > 0
+        if not whole or self.returned_any:
+            return
+        self.empty[path] = self.empty.get(path, 0) + 1
+        rounds = self.in_order and self.empty[path] >= self.ROUNDS
+        if len(self.empty) == len(self.paths) or rounds:
+            raise DataError(no_readable_record(sorted(self.empty), len(self.paths)))
+
+
+def no_readable_record(empty: list[str], total: int) -> str:
+    """A reader with nothing left to read: every record of its shards was skipped or absent."""
+    share = "" if len(empty) == total else f" of the {total} of this split"
+    other = (
+        ""
+        if len(empty) == total
+        else " (unshuffled, each of data.workers reads a fixed share of the shards: "
+        "data.shuffle=true spreads them)"
+    )
+    return (
+        f"the {len(empty)} TFRecord shard(s){share} this reader reads hold no readable record "
+        f"(first {empty[0]}): each is empty, or data.skip_corrupt=true skipped every record, "
+        "so there is nothing to read; restore those shards or re-run python -m "
+        f"input_pipeline.prepare --format tfrecord --overwrite{other}"
+    )
 
 
 UNPARSABLE = "unparsable tf.train.Example"

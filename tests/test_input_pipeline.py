@@ -372,3 +372,58 @@ def test_a_data_path_that_is_a_file_names_its_folder(dataset):
     """Before: 'not a prepared dataset (no dataset.json)' for the dataset.json file itself."""
     with pytest.raises(DataError, match=f"data.path=.*dataset.json is a file; .*{dataset.path}"):
         resolve_dataset(str(dataset.path / "dataset.json"))
+
+
+def unreadable_records_copy(dataset, tmp_path):
+    """A copy whose train shards keep a readable index but no readable record: each shard's
+    bytes garbled from its header up to as close to its index as still opens."""
+    import shutil
+
+    import grain
+
+    copy = tmp_path / "unreadable_records"
+    shutil.copytree(dataset.path, copy)
+    for shard in copy.glob("train-*"):
+        data = shard.read_bytes()
+        end = data.rstrip(b"\0").find(b"\0" * 64)  # the records and index; then block padding
+        for stop in range(end, 64, -100):
+            garbled = bytearray(data)
+            garbled[64:stop] = bytes(b ^ 0x5A for b in garbled[64:stop])
+            shard.write_bytes(bytes(garbled))
+            try:
+                grain.sources.ArrayRecordDataSource([str(shard)])
+                break
+            except RuntimeError:
+                continue
+    return load_dataset_info(copy)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_skip_corrupt_with_no_readable_record_is_an_error(dataset, tmp_path, shuffle):
+    """Before: with every record unreadable but the shard indexes readable, the reader skipped
+    every record of every epoch forever and the run hung."""
+    from input_pipeline.pipeline import memory_source, split_source
+
+    info = unreadable_records_copy(dataset, tmp_path)
+    reading = Reading(shuffle=shuffle, skip_corrupt=True)
+    source = split_source(info, "train", reading)
+    assert all(record is None for record in source.read_many(range(len(source))))
+    said = f"none of the {len(source)} records of .*train split .* is readable: data.skip_c"
+    for cached in (None, memory_source(info, "train", reading)):
+        it = make_batch_iterator(
+            info, "train", seq_len=8, batch_size=2, reading=reading, source=cached
+        )
+        with pytest.raises(DataError, match=f"{said}.*prepare --overwrite"):
+            next(it)
+
+
+def test_memory_cache_lists_skipped_records_before_the_workdir_exists(dataset, tmp_path):
+    """Before: data.cache=memory reads every shard before the run makes its workdir, and the
+    first skipped record was a FileNotFoundError traceback."""
+    from input_pipeline.pipeline import memory_source
+    from input_pipeline.records import count_skipped
+
+    info, _ = corrupt_copy(dataset, tmp_path)
+    log = tmp_path / "workdir" / "skipped.jsonl"
+    source = memory_source(info, "train", Reading(skip_corrupt=True, skip_log=log))
+    assert count_skipped(log) == len(source.missing) > 0

@@ -281,3 +281,62 @@ def test_eval_with_fewer_shards_than_streams_counts_every_token(tmp_path, reader
     config = load_config(None, [f"data.path={out}", f"data.reader={reader}", *overrides])
     batches = dataset_sources(config.data, seed=0).make_eval()
     assert sum(float(b["weights"].sum()) for b in take(batches, 40)) == pairs
+
+
+def garbled_copy(info, tmp_path, shards):
+    """A copy whose train shards numbered `shards` hold records that are not tf.train.Examples,
+    their framing intact: every record of those shards is unreadable."""
+    from input_pipeline.tfrecords import tensorflow
+
+    tf = tensorflow()
+    copy = tmp_path / "garbled"
+    shutil.copytree(info.path, copy)
+    for i in shards:
+        path = str(next(copy.glob(f"train-{i:05d}-*")))
+        records = list(tf.data.TFRecordDataset(path).as_numpy_iterator())
+        with tf.io.TFRecordWriter(path) as writer:
+            for record in records:
+                writer.write(b"\xff" * len(record))
+    return load_dataset_info(copy)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_skip_corrupt_with_no_readable_record_is_an_error(datasets, tmp_path, shuffle):
+    """Before: Grain's reader skipped every record of every epoch forever; the run hung."""
+    info = garbled_copy(datasets[1], tmp_path, range(3))
+    reading = Reading(shuffle=shuffle, skip_corrupt=True, skip_log=tmp_path / "skipped.jsonl")
+    it = make_batch_iterator(info, "train", seq_len=64, batch_size=2, reading=reading)
+    said = r"the 3 TFRecord shard\(s\) this reader reads hold no readable record \(first .*train-"
+    with pytest.raises(DataError, match=f"{said}.*skipped every record.*--format tfrecord --over"):
+        next(it)
+    assert count_skipped(tmp_path / "skipped.jsonl") == info.num_records("train")
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_skip_corrupt_reads_on_past_wholly_unreadable_shards(datasets, tmp_path, shuffle):
+    info = garbled_copy(datasets[1], tmp_path, [0, 1])
+    reading = Reading(shuffle=shuffle, skip_corrupt=True)
+    it = make_batch_iterator(info, "train", seq_len=512, batch_size=2, reading=reading)
+    assert all(b["weights"].sum() > 0 for b in take(it, 60))  # several epochs of shard 2
+
+
+def test_a_worker_whose_fixed_share_of_shards_is_unreadable_is_an_error():
+    """Before: unshuffled, each Grain worker reads a fixed share of the shards; a worker whose
+    share was wholly unreadable skipped it forever and the run hung (data.workers=2)."""
+    from input_pipeline.tfrecords import EmptyShards
+
+    empty = EmptyShards(["a", "b", "c", "d"], in_order=True)
+    for _ in range(EmptyShards.ROUNDS - 1):
+        empty.shard_ended("a", 0, whole=True)
+        empty.shard_ended("c", 0, whole=True)
+    with pytest.raises(DataError, match=r"the 2 TFRecord shard\(s\) of the 4 .*data.shuffle=true"):
+        empty.shard_ended("a", 0, whole=True)
+    shuffled = EmptyShards(["a", "b"], in_order=False)
+    for _ in range(3):
+        shuffled.shard_ended("a", 0, whole=True)  # another worker may still read "b" whole
+    resumed = EmptyShards(["a"], in_order=False)
+    resumed.shard_ended("a", 0, whole=False)  # read from mid-shard: says nothing of the rest
+    readable = EmptyShards(["a", "b"], in_order=True)
+    readable.shard_ended("b", 5, whole=True)
+    for _ in range(EmptyShards.ROUNDS + 1):
+        readable.shard_ended("a", 0, whole=True)

@@ -6,6 +6,7 @@ field of anything else. Both spellings of rotary settings are read: transformers
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +139,11 @@ def _whole(hf: dict[str, Any], field: str, default: int | None = None) -> int:
 
 
 def _real(field: str, value: Any, default: float) -> float:
-    """A positive number field of config.json, `default` when absent or null."""
+    """A positive finite number field of config.json, `default` when absent or null."""
     value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ConfigError(
-            f"config.json {field}={value!r} is not a positive number; restore the file the "
+            f"config.json {field}={value!r} is not a positive finite number; restore the file the "
             "model came with"
         )
     return float(value)
