@@ -7,7 +7,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -17,6 +17,9 @@ from jax.sharding import NamedSharding
 from input_pipeline.errors import DataError
 
 _END = object()
+# How often a wait for a batch that has not come asks whether to give up (`next_unless`): a stop
+# request is seen this long after its signal at most. A batch already there is taken at once.
+POLL_S = 0.1
 
 
 def row_feeders(sharding: NamedSharding) -> tuple[int, int]:
@@ -116,6 +119,7 @@ class DeviceFeed:
         self._free_slots = threading.Semaphore(max(1, prefetch))
         self._stop = threading.Event()
         self.last_wait_s = 0.0
+        self._abandoned = False  # a wait for a batch was given up: the source may never return
         self._thread = threading.Thread(target=self._fill, name="device-feed", daemon=True)
         self._thread.start()
 
@@ -150,6 +154,24 @@ class DeviceFeed:
         start = time.perf_counter()
         item = self._ready.get()
         self.last_wait_s = time.perf_counter() - start
+        return self._take(item)
+
+    def next_unless(self, stopped: Callable[[], bool]) -> tuple[dict[str, jax.Array], Any] | None:
+        """`next`, or None once `stopped()` is true while no batch has come: a wait on a source
+        that never returns can still end. `stopped` is asked only while waiting."""
+        start = time.perf_counter()
+        while True:
+            try:
+                item = self._ready.get(timeout=POLL_S)  # at once when a batch is there
+                break
+            except queue.Empty:
+                if stopped():
+                    self._abandoned = True
+                    return None
+        self.last_wait_s = time.perf_counter() - start
+        return self._take(item)
+
+    def _take(self, item: Any) -> tuple[dict[str, jax.Array], Any]:
         if item is _END:
             self._ready.put(_END)  # stay exhausted
             raise StopIteration
@@ -160,8 +182,10 @@ class DeviceFeed:
         return item
 
     def close(self) -> None:
+        """Stop the thread; wait for it unless a wait for its batch was given up (`next_unless`):
+        then it is blocked in the source, and leaves once the source returns."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=0 if self._abandoned else 10)
 
     def __enter__(self) -> DeviceFeed:
         return self

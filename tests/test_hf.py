@@ -152,7 +152,7 @@ DELETE = object()
         (edit_config({"rope_parameters": {"rope_theta": "big"}}), "rope_theta='big' is not a"),
         (edit_config({"rms_norm_eps": float("inf")}), "rms_norm_eps=inf is not a positive finite"),
     ],
-    ids="list binary bad_json no_hidden_size text_layers rope_list rope_text inf_eps".split(),
+    ids=["list", "binary", "bad_json", "no_hidden", "text_layers", "rope_list", "rope_text", "inf"],
 )
 def test_damaged_config_json_is_one_line_naming_the_file_or_field(tmp_path, damage, expected):
     folder = damaged_copy(tmp_path, damage)

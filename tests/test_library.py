@@ -377,3 +377,48 @@ def test_a_callers_batch_size_is_its_own_and_is_checked_against_the_mesh(tmp_pat
     assert run(config, 24).step == 2
     with pytest.raises(DataError, match="'x' has shape \\(12, 16\\).* multiple of 8 rows"):
         run(config_for(tmp_path / "b", 2), 12)
+
+
+def with_value(batches, step: int, field: str, value):
+    """`batches` with `value` written into one item of `field` in the batch of `step` (from 1)."""
+    for index, batch in enumerate(batches, start=1):
+        if index == step:
+            batch = {**batch, field: batch[field].copy()}
+            batch[field][2, 5] = value
+        yield batch
+
+
+LM_MODEL = {"model.vocab_size": 64, "model.num_layers": 1, "model.d_model": 32, "model.d_ff": 64}
+
+
+@pytest.mark.parametrize(
+    ("field", "token", "found"),
+    [("inputs", 70, "up to 70 in 'inputs'"), ("targets", -1000, "down to -1000 in 'targets'")],
+)
+def test_token_ids_outside_the_vocabulary_are_named_as_the_nan_losss_cause(
+    tmp_path, field, token, found
+):
+    """A caller's ids >= model.vocab_size (or < 0) gather nothing and make the loss NaN. Before:
+    the NaN line listed them among four possible causes; now the run says which ids, once the
+    loss is NaN (nothing is checked per step)."""
+    config = config_for(tmp_path, 5).derive({**LM_MODEL, "checkpoint.every": 2})
+    with pytest.raises(trainer.TrainingError) as caught:
+        trainer.run(config, data=with_value(lm_batches(), 3, field, token))
+    assert str(caught.value) == (
+        f"step 3's batch holds token ids {found}, outside model.vocab_size=64, and its loss is "
+        "nan; it is not saved (earlier checkpoints are kept). Keep every token id in [0, 64) "
+        "(check the data's tokenizer), or raise model.vocab_size to cover them"
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_a_callers_model_is_not_checked_against_a_model_vocab_size_it_does_not_use(tmp_path):
+    """A caller's module with 128 token ids and a model.vocab_size=64 it was not built from:
+    its ids 64-127 are not the cause of a NaN loss (here a NaN weight), and are not blamed."""
+    from trainer.models import builder_for_vocab
+
+    config = config_for(tmp_path, 5).derive(LM_MODEL)
+    build = builder_for_vocab(config, 128)
+    batches = with_value(with_value(lm_batches(), 3, "inputs", 100), 3, "weights", np.nan)
+    with pytest.raises(trainer.TrainingError, match="^loss is nan at step 3; it is not saved"):
+        trainer.run(config, model=lambda rngs: build(rngs=rngs), data=batches)

@@ -1,9 +1,15 @@
 """A session at the edges of a run: a dataset prepared without an eval split trains without evals
 (one line says so at the start) and still saves its final checkpoint; running a finished run again
-changes nothing, its summary.json included."""
+changes nothing, its summary.json included; a SIGTERM while the data source blocks stops the run
+with its last step saved, and the resume continues it exactly."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +89,118 @@ def test_resuming_on_other_data_says_so(corpus, train_only_corpus, tmp_path, cap
     run(load_config(None, [*args, f"data.path={train_only_corpus}", "run.steps=4"]))
     warnings = [line for line in capfd.readouterr().err.splitlines() if "other data" in line]
     assert len(warnings) == 1 and f"checkpoint.init_from={workdir}" in warnings[0], warnings
+
+
+# A caller's LM batches with a position (`get_state`/`set_state`, as a Grain iterator has): batch i
+# is drawn from seed i. With BLOCK_AT set, reading that batch waits forever (a dead mount); with
+# EVAL_BLOCK_AT, reading that batch of each eval does, once it has created the file BLOCKED.
+CALLER_RUN = """
+import os, sys, threading
+import numpy as np
+from absl import flags
+flags.FLAGS.mark_as_parsed()
+import trainer
+
+def batch(seed, block_at):
+    if seed == int(os.environ.get(block_at, "-1")):
+        open(os.environ.get("BLOCKED", os.devnull), "w").close()
+        threading.Event().wait()
+    tokens = np.random.default_rng(seed).integers(0, 256, (16, 65), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "weights": np.ones((16, 64), np.float32)}
+
+class Batches:
+    def __init__(self):
+        self.position = 0
+    def __iter__(self):
+        return self
+    def __next__(self):
+        self.position += 1
+        return batch(self.position - 1, "BLOCK_AT")
+    def get_state(self):
+        return {"position": self.position}
+    def set_state(self, state):
+        self.position = state["position"]
+
+held_out = lambda: (batch(seed, "EVAL_BLOCK_AT") for seed in range(2))
+trainer.run(trainer.load_config(None, sys.argv[1:]), data=Batches(), eval_data=held_out)
+"""
+
+
+def caller_run(repo_root: Path, workdir: Path, *extra: str, **env: str) -> subprocess.Popen:
+    args = [*TINY, "model.vocab_size=256", "run.steps=8", "optim.decay_steps=8"]
+    args += ["checkpoint.every=4", "eval.every=100", "log.tensorboard=false"]
+    args += [f"run.workdir={workdir}", *extra]
+    return subprocess.Popen(
+        [sys.executable, "-c", CALLER_RUN, *args],
+        cwd=repo_root,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def losses_of(workdir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows_of(workdir) if "loss" in r}
+
+
+def finished(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    _, stderr = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stderr
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_data_source_blocks_saves_the_last_step_and_resumes_exactly(
+    tmp_path, repo_root
+):
+    """Before: the loop waited for the blocked source's batch with no timeout and never looked
+    at the stop the signal asked for; only SIGKILL or the watchdog ended the run, unsaved."""
+    straight = tmp_path / "straight"
+    finished(caller_run(repo_root, straight))
+    expected = losses_of(straight)
+
+    workdir = tmp_path / "stopped"
+    proc = caller_run(repo_root, workdir, BLOCK_AT="5")  # steps 1-5 get batches; 6 waits
+    try:
+        deadline = time.monotonic() + 240
+        while 5 not in (losses_of(workdir) if (workdir / "metrics.jsonl").exists() else {}):
+            assert time.monotonic() < deadline and proc.poll() is None, "step 5 never logged"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stderr = finished(proc, timeout_s=120)  # a save and an exit; before: forever
+    finally:
+        proc.kill()
+    assert f"stopped by SIGTERM at step 5; checkpoint saved in {workdir / 'checkpoints/5'}" in (
+        stderr
+    ), stderr[-3000:]
+    assert saved_steps(workdir) == [4, 5]
+
+    finished(caller_run(repo_root, workdir))  # resumes at step 5, batch 5 next
+    got = losses_of(workdir)
+    assert [got[s] for s in range(1, 9)] == [expected[s] for s in range(1, 9)]
+
+
+@pytest.mark.slow
+def test_sigterm_while_an_eval_source_blocks_saves_the_step_and_stops(tmp_path, repo_root):
+    """The eval after step 3 waits for a held-out batch that never comes. Before: the signal
+    was never looked at, as for training data."""
+    workdir, blocked = tmp_path / "run", tmp_path / "blocked"
+    proc = caller_run(
+        repo_root, workdir, "eval.every=3", "log.every=2", EVAL_BLOCK_AT="1", BLOCKED=str(blocked)
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not blocked.exists():  # the eval after step 3 waits for its second batch
+            assert time.monotonic() < deadline and proc.poll() is None, "the eval never blocked"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stderr = finished(proc, timeout_s=120)  # a save and an exit; before: forever
+    finally:
+        proc.kill()
+    assert f"stopped by SIGTERM at step 3; checkpoint saved in {workdir / 'checkpoints/3'}" in (
+        stderr
+    ), stderr[-3000:]
+    assert saved_steps(workdir) == [3]
+    assert sorted(losses_of(workdir)) == [2, 3], "the stop's line reports step 3 (log.every=2)"
+    assert not [r for r in rows_of(workdir) if "eval_loss" in r]

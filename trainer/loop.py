@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from input_pipeline.device import DeviceFeed
 from trainer.checkpoint import Checkpointer
@@ -55,6 +56,7 @@ class StepRecord:
     seconds: float  # wall time since the previous step was dispatched
     wait_s: float  # of which waiting for its batch
     data_state: Any = None  # the data position after its batch (per-source token counts)
+    batch: Batch | None = None  # its arrays, already on the devices: checked if its loss is NaN
 
 
 @dataclass
@@ -94,6 +96,8 @@ class Progress:
     skipped_steps: int = 0  # non-finite steps skipped so far (optim.skip_nonfinite)
     tokens_seen: float = 0.0  # this session's, for the summary's throughput
     window: LogWindow = field(default_factory=LogWindow)  # steps since the last metrics line
+    # the newest step's metrics and data position, while no line reports it yet
+    unlogged: tuple[dict[str, float], Any] | None = None
 
 
 @dataclass
@@ -169,6 +173,8 @@ class Loop:
                 with timing("checkpoint"), watch("checkpoint"):
                     self.checkpointer.warm_up(state, self.meta)
             tick = time.perf_counter()
+            saved = start_step  # the newest step with a checkpoint (or none, at 0)
+            data_state: Any = None  # the data position after the last step's batch
             for step in range(start_step + 1, total + 1):
                 if pending and not feed.ready():
                     # The device runs out of queued steps before the next batch comes: read them
@@ -177,12 +183,17 @@ class Loop:
                         self._read_finished(pending, progress, keep=0)
                 try:
                     with timing("data_wait"), watch("data", step):
-                        batch, data_state = next(feed)
+                        fetched = feed.next_unless(stop.at_wait)
                 except StopIteration:
                     raise TrainingError(
                         f"the training data ran out before step {step}; repeat it (e.g. "
                         "grain's .repeat()) or lower run.steps"
                     ) from None
+                if fetched is None:  # a stop while waiting for data: at the last completed step
+                    step -= 1
+                    self._stop_between_steps(step, state, data_state, pending, progress, saved)
+                    break
+                batch, data_state = fetched
                 profile.before_step(step, state)
                 with timing("step"), watch("step"):
                     state, metrics = train_step(state, batch)  # runs while we log earlier steps
@@ -190,7 +201,8 @@ class Loop:
                     self._read_finished(pending, progress, keep=IN_FLIGHT - 1)
                 profile.after_step(step, metrics)
                 now = time.perf_counter()
-                pending.append(StepRecord(step, metrics, now - tick, feed.last_wait_s, data_state))
+                wait_s = feed.last_wait_s
+                pending.append(StepRecord(step, metrics, now - tick, wait_s, data_state, batch))
                 tick = now
                 saving = stop.at_step(step) or step % config.checkpoint.every == 0 or step == total
                 evaluating = step % config.eval.every == 0 or step == total
@@ -201,43 +213,97 @@ class Loop:
                     with timing("step"), watch("step"):  # waiting for its result: step time
                         self._read_finished(pending, progress, keep=0, last=stop.requested)
                 if evaluating and self.sources.make_eval is not None:
+                    # a stop decided at this step lets its eval finish; one during it ends it
+                    stopped = _never if stop.requested else stop.at_wait
                     with timing("eval"), watch("eval"):
-                        losses = self._eval_losses(state)
-                    result.eval_loss = losses["eval_loss"]
-                    self.writer.write(step, losses)
+                        losses = self._eval_losses(state, stopped)
+                    if losses is not None:
+                        result.eval_loss = losses["eval_loss"]
+                        self.writer.write(step, losses)
+                    else:  # a stop came while it waited for eval data: this step is the last
+                        self._write_unlogged_line(step, progress)
+                        saving = True
                 if evaluating and self.sampler is not None:
                     with timing("eval"), watch("eval"):
                         self.sampler(step, state)
                 if saving:
-                    with timing("checkpoint"), watch("checkpoint"):
-                        blocked = self.checkpointer.save(step, state, data_state, self.meta)
-                    self.writer.write(step, {"ckpt_block_s": blocked})
+                    saved = self._save(step, state, data_state, progress)
                 if stop.requested:
                     break
         result.state, result.step = state, step
         if stop.requested:
             with timing("checkpoint"):
                 self.checkpointer.wait()
-            self.writer.message(
-                f"stopped by {stop.signal_name} at step {step}; checkpoint saved in "
-                f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
-            )
+            self.writer.message(self._stop_line(stop.signal_name, step))
 
-    def _eval_losses(self, state: TrainState) -> dict[str, float]:
+    def _save(self, step: int, state: TrainState, data_state: Any, progress: Progress) -> int:
+        """Checkpoint `step` (its state and the data position after its batch); returns `step`."""
+        with self.goodput.timing("checkpoint"), progress.watchdog.phase("checkpoint"):
+            blocked = self.checkpointer.save(step, state, data_state, self.meta)
+        self.writer.write(step, {"ckpt_block_s": blocked})
+        return step
+
+    def _stop_between_steps(
+        self,
+        step: int,
+        state: TrainState,
+        data_state: Any,
+        pending: deque[StepRecord],
+        progress: Progress,
+        saved: int,
+    ) -> None:
+        """A stop while waiting for the batch after `step`, the last completed one: its line
+        and, unless it has one, its checkpoint, as a stop after a step writes them."""
+        with self.goodput.timing("step"), progress.watchdog.phase("step"):
+            self._read_finished(pending, progress, keep=0, last=True)  # never save a NaN
+        self._write_unlogged_line(step, progress)
+        if step > saved:
+            self._save(step, state, data_state, progress)
+
+    def _write_unlogged_line(self, step: int, progress: Progress) -> None:
+        """At a stop between `log.every` lines: the line of the steps up to `step`, as a stop
+        after a step writes it."""
+        if progress.unlogged is not None:
+            self._write_line(step, progress)
+
+    def _stop_line(self, signal_name: str | None, step: int) -> str:
+        """What a stop says: where its checkpoint is, or that it trained nothing to save."""
+        if step == 0:
+            return (
+                f"stopped by {signal_name} before step 1; nothing was trained, so nothing is "
+                "saved; re-run the same command to start"
+            )
+        return (
+            f"stopped by {signal_name} at step {step}; checkpoint saved in "
+            f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
+        )
+
+    def _eval_losses(
+        self, state: TrainState, stopped: Callable[[], bool]
+    ) -> dict[str, float] | None:
         """`eval_loss`; for a mixture also each source's `eval_loss_<name>`, and as `eval_loss`
-        the mixture's expected loss: the sources' losses weighted by their mixture weights."""
+        the mixture's expected loss: the sources' losses weighted by their mixture weights.
+        None when `stopped()` turned true while waiting for eval data."""
         if not self.sources.make_evals:
-            return {"eval_loss": self._eval_loss(self.sources.make_eval, state)}
-        losses = {
-            f"eval_loss_{name}": self._eval_loss(make, state)
-            for name, (_, make) in self.sources.make_evals.items()
-        }
+            loss = self._eval_loss(self.sources.make_eval, state, stopped)
+            return None if loss is None else {"eval_loss": loss}
+        losses = {}
+        for name, (_, make) in self.sources.make_evals.items():
+            if (loss := self._eval_loss(make, state, stopped)) is None:
+                return None
+            losses[f"eval_loss_{name}"] = loss
         weights = {name: weight for name, (weight, _) in self.sources.make_evals.items()}
         mean = sum(losses[f"eval_loss_{n}"] * w for n, w in weights.items()) / sum(weights.values())
         return {"eval_loss": mean, **losses}
 
-    def _eval_loss(self, make_eval: Callable[[], Iterable[Batch]], state: TrainState) -> float:
-        """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches."""
+    def _eval_loss(
+        self,
+        make_eval: Callable[[], Iterable[Batch]],
+        state: TrainState,
+        stopped: Callable[[], bool],
+    ) -> float | None:
+        """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches;
+        None when `stopped()` turned true while waiting for one."""
         loss_sum, weight = 0.0, 0.0
         feed = DeviceFeed(
             iter(make_eval()),
@@ -246,10 +312,14 @@ class Loop:
             self.sources.feeders,
         )
         with feed:
-            for i, (batch, _) in enumerate(feed):
-                if i >= self.config.eval.steps:
+            for _ in range(self.config.eval.steps):
+                try:
+                    fetched = feed.next_unless(stopped)
+                except StopIteration:  # finite eval data: all of it
                     break
-                out = jax.device_get(self.program.eval_step(state, batch))
+                if fetched is None:
+                    return None
+                out = jax.device_get(self.program.eval_step(state, fetched[0]))
                 loss_sum += float(out["loss_sum"])
                 weight += float(out["weight"])
         if weight == 0:
@@ -259,15 +329,18 @@ class Loop:
             )
         return loss_sum / weight
 
-    def _check_finite(self, step: int, metrics: dict[str, float]) -> None:
+    def _check_finite(self, record: StepRecord, metrics: dict[str, float]) -> None:
+        """Stop on a non-finite step unless it may be skipped; a NaN loss whose batch holds
+        token ids outside the model's vocabulary names them, its certain cause."""
+        step, loss = record.step, metrics["loss"]
         if "loss_scale" in metrics and metrics["skipped"]:
-            self._check_loss_scale(step, metrics["loss_scale"])
+            self._check_loss_scale(record, metrics)
             return  # skipped: the update was not applied
         if self.config.optim.skip_nonfinite:
             return
-        loss = metrics["loss"]
         if np.isfinite(loss) and metrics["params_finite"] == 1.0:
             return
+        self._check_token_ids(record, loss)
         what = f"loss is {loss}" if not np.isfinite(loss) else "parameters became non-finite"
         raise TrainingError(
             f"{what} at step {step}; it is not saved (earlier checkpoints are kept). Lower "
@@ -275,13 +348,47 @@ class Loop:
             "precision.compute=float32, or set optim.skip_nonfinite=true to skip such steps"
         )
 
-    def _check_loss_scale(self, step: int, scale: float) -> None:
+    def _check_token_ids(self, record: StepRecord, loss: float) -> None:
+        """A step about to stop on a non-finite loss: ids outside the vocabulary in its batch
+        (this process's rows) are the cause, named with the fix. Read only then: no cost per
+        step."""
+        vocab = self._vocab_size()
+        if np.isfinite(loss) or vocab is None or record.batch is None:
+            return
+        outside = token_ids_outside(record.batch, vocab)
+        if outside:
+            raise TrainingError(
+                f"step {record.step}'s batch holds token ids {outside}, outside "
+                f"model.vocab_size={vocab}, and its loss is {loss}; it is not saved (earlier "
+                f"checkpoints are kept). Keep every token id in [0, {vocab}) (check the data's "
+                "tokenizer), or raise model.vocab_size to cover them"
+            )
+
+    def _vocab_size(self) -> int | None:
+        """The vocabulary the run recorded (model.vocab_size or the dataset's), if the model
+        has a parameter axis named 'vocab' of that size: a caller's own module (trainer.run's
+        `model=`) is not built from model.vocab_size, and its vocabulary is unknown without."""
+        vocab = self.meta.get("vocab_size")
+        shapes = self.meta.get("param_shapes", {})
+        if not vocab:
+            return None
+        specs = jax.tree_util.tree_flatten_with_path(
+            self.program.skeleton.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )[0]
+        for path, spec in specs:
+            shape = shapes.get(jax.tree_util.keystr(path), ())
+            if any(a == "vocab" and n == vocab for a, n in zip(spec, shape, strict=False)):
+                return vocab
+        return None
+
+    def _check_loss_scale(self, record: StepRecord, metrics: dict[str, float]) -> None:
         """A float16 step overflowed at the smallest scale allowed: it would only skip on."""
         floor = self.config.precision.loss_scale_min
-        if scale > floor:
+        if metrics["loss_scale"] > floor:
             return
+        self._check_token_ids(record, metrics["loss"])
         raise TrainingError(
-            f"float16 gradients overflowed at step {step} even at the minimum loss scale "
+            f"float16 gradients overflowed at step {record.step} even at the minimum loss scale "
             f"(precision.loss_scale_min={floor:g}); it is not saved (earlier checkpoints are "
             "kept). Lower optim.lr, or train in precision.compute=bfloat16 (GPUs with bf16) or "
             "float32"
@@ -302,12 +409,19 @@ class Loop:
         step = record.step
         metrics = record.metrics.read()
         progress.watchdog.beat(step)
-        self._check_finite(step, metrics)
+        self._check_finite(record, metrics)
         progress.skipped_steps += int(metrics.get("skipped", 0.0))
         progress.tokens_seen += metrics["tokens"]
         progress.window.add(record, metrics)
+        progress.unlogged = metrics, record.data_state
         if step % self.config.log.every and step != self.config.run.steps and not last:
             return
+        self._write_line(step, progress)
+
+    def _write_line(self, step: int, progress: Progress) -> None:
+        """The metrics line of the steps since the last one, ending at `step` (whose metrics
+        and data position are `progress.unlogged`)."""
+        (metrics, data_state), progress.unlogged = progress.unlogged, None
         row = {**progress.window.means(), "lr": metrics["lr"], "grad_norm": metrics["grad_norm"]}
         tflops = row["tokens_per_s"] * self.flops_per_token / jax.device_count() / 1e12
         row["tflops_per_device"] = tflops
@@ -320,8 +434,33 @@ class Loop:
         if self.config.data.skip_corrupt and self.sources.skipped_records is not None:
             row["corrupt_records_skipped"] = self.sources.skipped_records()
         if self.sources.source_tokens is not None:
-            row.update(self.sources.source_tokens(record.data_state))
+            row.update(self.sources.source_tokens(data_state))
         row.update(self.goodput.metrics())
         self.writer.write(step, row)
         progress.result.last_metrics = row
         progress.window = LogWindow()  # the next line averages the steps after this one
+
+
+def _never() -> bool:
+    return False
+
+
+def token_ids_outside(batch: Batch, vocab: int) -> str:
+    """Where `batch`'s token ids (`inputs`, `targets`; this process's rows) leave [0, vocab):
+    e.g. "up to 70 in 'inputs'"; empty when they do not."""
+    found = []
+    for name in ("inputs", "targets"):
+        array = batch.get(name)
+        if array is None or not np.issubdtype(array.dtype, np.integer):
+            continue
+        ids = np.concatenate([np.asarray(s.data).ravel() for s in array.addressable_shards])
+        if not ids.size:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 and high >= vocab:
+            found.append(f"from {low} to {high} in {name!r}")
+        elif high >= vocab:
+            found.append(f"up to {high} in {name!r}")
+        elif low < 0:
+            found.append(f"down to {low} in {name!r}")
+    return " and ".join(found)

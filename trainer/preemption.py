@@ -1,5 +1,6 @@
 """Clean stops: the first SIGTERM or SIGINT asks the loop to finish the current step, save, and
-exit 0; a second SIGINT aborts at once (KeyboardInterrupt).
+exit 0; a second SIGINT aborts at once (KeyboardInterrupt). A single process waiting for a batch
+stops at once, saving the last completed step (`at_wait`).
 
 With several processes, every one must stop after the same step: a host that alone saw the
 signal would save and leave while the others wait for it in the next collective, forever. So
@@ -37,6 +38,15 @@ class StopRequest:
                 self.signal_name = "SIGTERM"  # seen by JAX's notifier here or on another host
         else:
             self.requested = self.signal_name is not None
+        return self.requested
+
+    def at_wait(self) -> bool:
+        """Decide, while the loop waits for training or eval data, whether to stop now. Only a
+        single process may: several stop at a step they all agree on (`at_step`), so there a
+        wait on a source that never returns is left to the watchdog (`run.step_timeout_s`)."""
+        if self._multihost:
+            return False  # each host would give up its wait at another moment
+        self.requested = self.signal_name is not None
         return self.requested
 
     def _handle(self, signum: int, _frame) -> None:
