@@ -15,13 +15,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from input_pipeline.device import DeviceFeed
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config
 from trainer.data import DataSources
 from trainer.errors import ConfigError, TrainingError
+from trainer.nonfinite import NonFiniteStop, checked_vocab_size
 from trainer.observe.goodput import Goodput, format_summary, session_summary, write_summary
 from trainer.observe.metrics import MetricsWriter
 from trainer.observe.profiling import ProfileWindow
@@ -115,6 +115,16 @@ class Loop:
     peak_tflops: float | None = None  # per device; None when the device kind is unknown
     goodput: Goodput = field(default_factory=Goodput)  # where the wall time goes
     sampler: Callable[[int, TrainState], None] | None = None  # eval.sample_prompts
+    nonfinite: NonFiniteStop = field(init=False)  # what a NaN/Inf step stops the run with
+
+    def __post_init__(self) -> None:
+        vocab = self.meta.get("vocab_size")  # the run's: model.vocab_size or the dataset's
+        if vocab:
+            shapes = self.meta.get("param_shapes", {})
+            vocab = checked_vocab_size(vocab, self.program.skeleton.param_specs, shapes)
+        self.nonfinite = NonFiniteStop(
+            self.config.optim.skip_nonfinite, self.config.precision.loss_scale_min, vocab or None
+        )
 
     def __enter__(self) -> Loop:
         return self
@@ -329,71 +339,6 @@ class Loop:
             )
         return loss_sum / weight
 
-    def _check_finite(self, record: StepRecord, metrics: dict[str, float]) -> None:
-        """Stop on a non-finite step unless it may be skipped; a NaN loss whose batch holds
-        token ids outside the model's vocabulary names them, its certain cause."""
-        step, loss = record.step, metrics["loss"]
-        if "loss_scale" in metrics and metrics["skipped"]:
-            self._check_loss_scale(record, metrics)
-            return  # skipped: the update was not applied
-        if self.config.optim.skip_nonfinite:
-            return
-        if np.isfinite(loss) and metrics["params_finite"] == 1.0:
-            return
-        self._check_token_ids(record, loss)
-        what = f"loss is {loss}" if not np.isfinite(loss) else "parameters became non-finite"
-        raise TrainingError(
-            f"{what} at step {step}; it is not saved (earlier checkpoints are kept). Lower "
-            "optim.lr, check the data (token ids must be below the model's vocabulary), use "
-            "precision.compute=float32, or set optim.skip_nonfinite=true to skip such steps"
-        )
-
-    def _check_token_ids(self, record: StepRecord, loss: float) -> None:
-        """A step about to stop on a non-finite loss: ids outside the vocabulary in its batch
-        (this process's rows) are the cause, named with the fix. Read only then: no cost per
-        step."""
-        vocab = self._vocab_size()
-        if np.isfinite(loss) or vocab is None or record.batch is None:
-            return
-        outside = token_ids_outside(record.batch, vocab)
-        if outside:
-            raise TrainingError(
-                f"step {record.step}'s batch holds token ids {outside}, outside "
-                f"model.vocab_size={vocab}, and its loss is {loss}; it is not saved (earlier "
-                f"checkpoints are kept). Keep every token id in [0, {vocab}) (check the data's "
-                "tokenizer), or raise model.vocab_size to cover them"
-            )
-
-    def _vocab_size(self) -> int | None:
-        """The vocabulary the run recorded (model.vocab_size or the dataset's), if the model
-        has a parameter axis named 'vocab' of that size: a caller's own module (trainer.run's
-        `model=`) is not built from model.vocab_size, and its vocabulary is unknown without."""
-        vocab = self.meta.get("vocab_size")
-        shapes = self.meta.get("param_shapes", {})
-        if not vocab:
-            return None
-        specs = jax.tree_util.tree_flatten_with_path(
-            self.program.skeleton.param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-        )[0]
-        for path, spec in specs:
-            shape = shapes.get(jax.tree_util.keystr(path), ())
-            if any(a == "vocab" and n == vocab for a, n in zip(spec, shape, strict=False)):
-                return vocab
-        return None
-
-    def _check_loss_scale(self, record: StepRecord, metrics: dict[str, float]) -> None:
-        """A float16 step overflowed at the smallest scale allowed: it would only skip on."""
-        floor = self.config.precision.loss_scale_min
-        if metrics["loss_scale"] > floor:
-            return
-        self._check_token_ids(record, metrics["loss"])
-        raise TrainingError(
-            f"float16 gradients overflowed at step {record.step} even at the minimum loss scale "
-            f"(precision.loss_scale_min={floor:g}); it is not saved (earlier checkpoints are "
-            "kept). Lower optim.lr, or train in precision.compute=bfloat16 (GPUs with bf16) or "
-            "float32"
-        )
-
     def _read_finished(
         self, pending: deque[StepRecord], progress: Progress, keep: int, last: bool = False
     ) -> None:
@@ -409,7 +354,7 @@ class Loop:
         step = record.step
         metrics = record.metrics.read()
         progress.watchdog.beat(step)
-        self._check_finite(record, metrics)
+        self.nonfinite.check(step, metrics, record.batch)
         progress.skipped_steps += int(metrics.get("skipped", 0.0))
         progress.tokens_seen += metrics["tokens"]
         progress.window.add(record, metrics)
@@ -443,24 +388,3 @@ class Loop:
 
 def _never() -> bool:
     return False
-
-
-def token_ids_outside(batch: Batch, vocab: int) -> str:
-    """Where `batch`'s token ids (`inputs`, `targets`; this process's rows) leave [0, vocab):
-    e.g. "up to 70 in 'inputs'"; empty when they do not."""
-    found = []
-    for name in ("inputs", "targets"):
-        array = batch.get(name)
-        if array is None or not np.issubdtype(array.dtype, np.integer):
-            continue
-        ids = np.concatenate([np.asarray(s.data).ravel() for s in array.addressable_shards])
-        if not ids.size:
-            continue
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 and high >= vocab:
-            found.append(f"from {low} to {high} in {name!r}")
-        elif high >= vocab:
-            found.append(f"up to {high} in {name!r}")
-        elif low < 0:
-            found.append(f"down to {low} in {name!r}")
-    return " and ".join(found)
