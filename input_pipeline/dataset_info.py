@@ -1,4 +1,5 @@
-"""`dataset.json`: what a prepared dataset holds (tokenizer, dtype, splits, shard checksums)."""
+"""`dataset.json`: what a prepared dataset holds (tokenizer, dtype, splits, shard checksums, and
+how many input documents prepare skipped for a null text)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from input_pipeline.errors import DataError
 
 INFO_FILE = "dataset.json"
+NULL_TEXTS = "null_texts_skipped"  # present only when prepare skipped some
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,11 @@ class DatasetInfo:
     @property
     def tokenizer(self) -> dict[str, Any]:
         return self.raw["tokenizer"]
+
+    @property
+    def null_texts_skipped(self) -> int:
+        """Input documents (parquet rows, JSONL lines) left out because their text was null."""
+        return int(self.raw.get(NULL_TEXTS, 0))
 
     @property
     def fingerprint(self) -> str:
@@ -99,6 +106,8 @@ def check_fields(raw: Any, info_file: Path) -> None:
     _field(info_file, _field(info_file, raw, "tokenizer", dict), "kind", str, "tokenizer.")
     if _field(info_file, raw, "token_dtype", str) not in TOKEN_DTYPES:
         raise DataError(_bad_field(info_file, "token_dtype", raw["token_dtype"], "|u1, <u2 or <u4"))
+    if NULL_TEXTS in raw:  # optional: older datasets, and clean corpora, have none
+        _field(info_file, raw, NULL_TEXTS, int)
     splits = _field(info_file, raw, "splits", dict)
     _field(info_file, splits, "train", dict, "splits.")
     for name in splits:

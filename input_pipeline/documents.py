@@ -5,6 +5,9 @@ per line in a `text_field`; `.parquet` files one per row of a `text_field` colum
 run of pieces of about `group_bytes` of input: whole files, or byte ranges of a large `.jsonl`
 file (a line belongs to the range holding its first byte). Groups are the unit a prepare resumes
 and splits between hosts, and depend only on the sorted file list, so every host plans the same.
+
+A null text (a parquet null, a JSONL `null`) is a document `None`: the writer skips and counts it,
+so both formats follow one rule and prepare can say how many it left out.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import glob
 import itertools
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ from input_pipeline.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", "")
 Piece = dict[str, Any]  # {"file", "start", "end", "eval"}: a byte range of one input file
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON's \ud800-\udfff: maybe unpaired
 
 
 def input_files(patterns: list[str], flag: str = "--input") -> list[Path]:
@@ -62,8 +67,8 @@ def plan_groups(files: list[Path], eval_files: list[Path], group_bytes: int) -> 
     return groups
 
 
-def piece_documents(piece: Piece, text_field: str = "text") -> Iterator[str]:
-    """The documents of one piece, read lazily."""
+def piece_documents(piece: Piece, text_field: str = "text") -> Iterator[str | None]:
+    """The documents of one piece, read lazily; `None` for a null text."""
     path = Path(piece["file"])
     if path.suffix == ".jsonl":
         return _jsonl_texts(path, piece["start"], piece["end"], text_field)
@@ -89,7 +94,7 @@ def _not_utf8(path: Path, byte: int) -> str:
     )
 
 
-def _jsonl_texts(path: Path, start: int, end: int, text_field: str) -> Iterator[str]:
+def _jsonl_texts(path: Path, start: int, end: int, text_field: str) -> Iterator[str | None]:
     with open(path, "rb") as f:
         if start > 0:
             f.seek(start - 1)
@@ -105,8 +110,9 @@ def _jsonl_texts(path: Path, start: int, end: int, text_field: str) -> Iterator[
             yield _jsonl_text(path, where, line, text_field)
 
 
-def _jsonl_text(path: Path, where: int, line: bytes, text_field: str) -> str:
-    """The text of one JSONL line, or a one-line error saying what is wrong with that line."""
+def _jsonl_text(path: Path, where: int, line: bytes, text_field: str) -> str | None:
+    """The text of one JSONL line (`None` for `null`), or a one-line error saying what is wrong
+    with that line."""
     try:
         value = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -121,23 +127,37 @@ def _jsonl_text(path: Path, where: int, line: bytes, text_field: str) -> str:
             "name the field with --text-field"
         )
     text = value[text_field]
-    if not isinstance(text, str):
+    if text is not None and not isinstance(text, str):
         raise DataError(
             f"{path} (byte {where}): field {text_field!r} holds {type(text).__name__}, not text; "
             "name the text field with --text-field, or fix that line"
         )
+    if text is not None and SURROGATE_ESCAPE.search(line) and not _is_unicode(text):
+        raise DataError(
+            f"{path} (byte {where}): field {text_field!r} holds an unpaired surrogate escape "
+            "(\\ud800-\\udfff), which is not text; fix or remove that line"
+        )
     return text
 
 
-def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
-    """The text column, read a row group at a time so a large file never sits in memory."""
-    import pyarrow as pa
+def _is_unicode(text: str) -> bool:
+    """False for a string with a lone surrogate, which JSON can escape but UTF-8 cannot hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _parquet_texts(path: Path, text_field: str) -> Iterator[str | None]:
+    """The text column, read a row group at a time so a large file never sits in memory; a null
+    row is `None`, for the writer to count."""
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError family
-        raise DataError(f"{path} is not a readable parquet file ({err})") from None
+        raise DataError(_unreadable_parquet(path, err)) from None
     columns = table.schema_arrow.names
     if text_field not in columns:
         raise DataError(
@@ -145,13 +165,40 @@ def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
             "text column with --text-field"
         )
     kind = table.schema_arrow.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not _is_text_type(kind):
         raise DataError(
             f"{path} column {text_field!r} holds {kind}, not text; name the text column with "
             "--text-field"
         )
-    for batch in table.iter_batches(columns=[text_field]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    batches = table.iter_batches(columns=[text_field])
+    while True:
+        try:  # a damaged row group is found only when read
+            batch = next(batches, None)
+            texts = [] if batch is None else batch.column(0).to_pylist()
+        except Exception as err:  # ArrowInvalid, OSError ("Unexpected end of stream"), ...
+            raise DataError(_unreadable_parquet(path, err)) from None
+        if batch is None:
+            return
+        yield from texts
+
+
+def _unreadable_parquet(path: Path, err: Exception) -> str:
+    reason = (str(err).splitlines() or ["unreadable"])[0][:160]
+    return (
+        f"{path} is not a readable parquet file ({reason}); re-write or re-download it, or leave "
+        "it out of --input"
+    )
+
+
+def _is_text_type(kind: Any) -> bool:
+    """Arrow's text types: string, large_string, string_view, and each dictionary-encoded (what a
+    pandas categorical column becomes); `to_pylist` gives `str` (or `None`) for all of them."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)
 
 
 def nonblank_lines(documents: Iterable[str], limit: int) -> Iterator[str]:
@@ -169,5 +216,5 @@ def sample_lines(
     train = [p for p in pieces if not p["eval"]]
     per_piece = math.ceil(sentences / max(1, len(train)))
     for piece in train:
-        documents = (t for t in piece_documents(piece, text_field) if is_train(t))
+        documents = (t for t in piece_documents(piece, text_field) if t is not None and is_train(t))
         yield from nonblank_lines(documents, per_piece)

@@ -5,7 +5,9 @@
         [--format arrayrecord|tfrecord] [--workers N] [--num-parts N --part i | --merge]
 
 `.txt` files are one document each; `.jsonl` files hold one document per line in a `text` field;
-`.parquet` files hold one document per row in a `text` column (`--text-field` names another).
+`.parquet` files hold one document per row in a `text` column (`--text-field` names another). A
+row or line whose text is null is skipped and counted (the last line says how many; `dataset.json`
+records it as `null_texts_skipped`); any other value that is not text is refused.
 `--tokenizer sentencepiece --vocab-size N` trains a SentencePiece model on a bounded sample of the
 training text (`--tokenizer-sample-sentences`); `--tokenizer PATH.model` uses an existing one, and
 `--tokenizer hf:PATH` a Hugging Face folder's `tokenizer.json` (offline, `tokenizers` library).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from input_pipeline.dataset_info import INFO_FILE
+from input_pipeline.dataset_info import INFO_FILE, NULL_TEXTS
 from input_pipeline.documents import input_files, plan_groups, sample_lines
 from input_pipeline.errors import DataError
 from input_pipeline.records import token_dtype
@@ -71,11 +74,11 @@ FORMATS = ("arrayrecord", "tfrecord")
 
 
 def prepare_dataset(
-    documents: Iterable[str],
+    documents: Iterable[str | None],
     output_dir: str | Path,
     *,
     eval_fraction: float = 0.01,
-    eval_documents: Iterable[str] | None = None,
+    eval_documents: Iterable[str | None] | None = None,
     tokenizer: str = "byte",
     vocab_size: int | None = None,
     num_shards: int = 4,
@@ -87,9 +90,10 @@ def prepare_dataset(
 ) -> Path:
     """Write `output_dir` with train/eval shards and `dataset.json` from documents in memory
     or streamed by any iterable (one process; `prepare_files` is the resumable, parallel path).
-    `tokenizer` takes the `--tokenizer` values of the module docstring."""
+    `tokenizer` takes the `--tokenizer` values of the module docstring. A `None` document is
+    skipped and counted, as a null text is by the CLI, and said on stderr."""
     output = Path(output_dir)
-    _check_options(output, overwrite, format, eval_fraction)
+    _check_options(output, overwrite, format, eval_fraction, max_record_tokens)
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     make_folder(staging)
@@ -97,7 +101,11 @@ def prepare_dataset(
     try:
         if tokenizer == "sentencepiece" and not isinstance(documents, Sequence):
             documents = list(documents)  # read twice: a sample to train on, then all of it
-        train = (t for t in documents if explicit or not is_eval_document(t, eval_fraction))
+        train = (
+            t
+            for t in documents
+            if isinstance(t, str) and (explicit or not is_eval_document(t, eval_fraction))
+        )
         tok = make_tokenizer(tokenizer, staging, train, vocab_size, sample_sentences)
         recipe = _recipe(tok, format, eval_fraction, explicit, num_shards, max_record_tokens)
         sources: list[Source] = [(documents, "train" if explicit else None)]
@@ -113,6 +121,7 @@ def prepare_dataset(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    say_null_texts(output, "that are None")
     return output
 
 
@@ -145,7 +154,12 @@ def prepare_files(
     if merge and (output / INFO_FILE).exists() and not staging.exists():
         return output  # the last part to finish merged already
     files = input_files(inputs)
-    _check_options(output, overwrite, format, eval_fraction)
+    _check_options(output, overwrite, format, eval_fraction, max_record_tokens)
+    if not 0 < group_mb < math.inf:  # also NaN
+        raise DataError(
+            f"--group-mb {group_mb} is not a positive size; give MB of input per "
+            f"group, e.g. the default {DEFAULT_GROUP_MB:g}"
+        )
     if num_parts < 1 or not 0 <= part < num_parts:
         raise DataError(f"--part {part} is not in 0..{num_parts - 1} (--num-parts {num_parts})")
     eval_files = input_files(eval_inputs, "--eval-input") if eval_inputs else []
@@ -193,7 +207,9 @@ def prepare_files(
     return output
 
 
-def _check_options(output: Path, overwrite: bool, format: str, eval_fraction: float) -> None:
+def _check_options(
+    output: Path, overwrite: bool, format: str, eval_fraction: float, max_record_tokens: int
+) -> None:
     if (output / INFO_FILE).exists() and not overwrite:
         raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
     check_output_folder(output)
@@ -201,6 +217,11 @@ def _check_options(output: Path, overwrite: bool, format: str, eval_fraction: fl
         raise DataError(f"--format {format} is unknown; use one of {', '.join(FORMATS)}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction={eval_fraction} must be in [0, 1)")
+    if max_record_tokens < 2:  # a record is trained on as next-token pairs
+        raise DataError(
+            f"--max-record-tokens {max_record_tokens} leaves no next-token pair in a record; give "
+            f"at least 2 (default {DEFAULT_MAX_RECORD_TOKENS})"
+        )
 
 
 def _recipe(
@@ -294,7 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {split['documents']} documents, {split['tokens']:,} tokens", file=sys.stderr
         )
+    say_null_texts(out, f"whose {args.text_field!r} is null")
     return 0
+
+
+def say_null_texts(output: Path, which: str) -> None:
+    """One line when prepare left documents out for a null text: never a silent loss."""
+    skipped = json.loads((output / INFO_FILE).read_text()).get(NULL_TEXTS, 0)
+    if skipped:
+        noun = "document" if skipped == 1 else "documents"
+        print(f"skipped {skipped:,} {noun} {which}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +114,8 @@ class CheckedSource:
     (a whole shard when even its index is unreadable); the pipeline filters those out. Custom:
     Grain's `ArrayRecordDataSource` neither names a damaged shard nor skips damaged records.
 
-    Each skipped record is appended to `skip_log` (`log_skip`), and `count_skipped` turns that
-    file into the number the metrics show."""
+    Each skipped record is listed once in `skip_log` (`SkipLog`), and `count_skipped` turns
+    that file into the number the metrics show."""
 
     def __init__(
         self,
@@ -138,7 +138,7 @@ class CheckedSource:
             )
         self._readers: list[ArrayRecordReader | None] = [None] * len(self.paths)  # read_many's
         self._lock = threading.Lock()
-        self._warned: set[str] = set()  # shards whose first skip was said on stderr
+        self._skips = SkipLog(self.skip_log)
 
     def _open(self, path: str):
         try:
@@ -160,7 +160,7 @@ class CheckedSource:
         except RuntimeError as err:
             if not self.skip_corrupt:
                 raise DataError(_corrupt_message(self.paths[shard], err)) from None
-        log_skip(self.skip_log, {"shard": self.paths[shard], "record": int(index)}, self._warned)
+        self._skips.add(int(index), {"shard": self.paths[shard], "record": int(index)})
         return None
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | None]:
@@ -201,35 +201,65 @@ class CheckedSource:
         self._lock = threading.Lock()
 
 
-def log_skip(skip_log: str | None, entry: dict[str, Any], warned: set[str]) -> None:
-    """Append one skipped record to `skip_log` as a JSON line: one `write` on an append-mode
-    file, so Grain's reader threads and worker processes can all report into it. A shard's first
-    skip (not yet in `warned`, the reader's own set) is also said on stderr: the metrics' count
-    alone is easy to miss."""
-    if skip_log is None:
-        return
+class SkipLog:
+    """A reader's list of the records `data.skip_corrupt` skipped, appended to `path` as JSON
+    lines for `count_skipped`. Each record is written once per reader, not once per epoch, so the
+    file (re-read at every metrics line) stays as small as the damage; each shard's first skip is
+    also said on stderr, since the metrics' count alone is easy to miss. Reader threads share one;
+    a Grain worker process gets its own copy (its duplicates are harmless: the count dedups)."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = None if path is None else str(path)
+        self._logged: set[Hashable] = set()  # keys of the records listed: one per bad record met
+        self._warned: set[str] = set()  # shards whose first skip was said on stderr
+        self._lock = threading.Lock()
+
+    def add(self, key: Hashable, entry: dict[str, Any]) -> None:
+        """List one skipped record (`{"shard", "record"|"offset"}`) unless `key`, a compact name
+        for it (a record index, or a shard and offset), was listed already."""
+        if self.path is None:
+            return
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+            first_of_shard = entry["shard"] not in self._warned
+            self._warned.add(entry["shard"])
+        append_line(self.path, json.dumps(entry))
+        if first_of_shard:
+            print(
+                f"warning: skipping unreadable records of shard {entry['shard']} "
+                f"(data.skip_corrupt=true); listed in {self.path}, counted as "
+                "corrupt_records_skipped in the metrics",
+                file=sys.stderr,
+            )
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker process makes its own lock
+        return {**self.__dict__, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def append_line(path: str, line: str) -> None:
+    """One `write` on an append-mode file, so reader threads and worker processes can all append
+    to the same file without interleaving."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     try:
-        fd = os.open(skip_log, flags, 0o644)
+        fd = os.open(path, flags, 0o644)
     except FileNotFoundError:  # data.cache=memory reads the shards before the run's workdir exists
-        Path(skip_log).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(skip_log, flags, 0o644)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o644)
     try:
-        os.write(fd, (json.dumps(entry) + "\n").encode())
+        os.write(fd, (line + "\n").encode())
     finally:
         os.close(fd)
-    if entry["shard"] not in warned:
-        warned.add(entry["shard"])
-        print(
-            f"warning: skipping unreadable records of shard {entry['shard']} "
-            f"(data.skip_corrupt=true); listed in {skip_log}, counted as corrupt_records_skipped "
-            "in the metrics",
-            file=sys.stderr,
-        )
 
 
 def count_skipped(skip_log: Path) -> int:
-    """Distinct records `CheckedSource` skipped (each epoch meets the same bad records again)."""
+    """Distinct records the readers skipped: each reader lists a record once, but Grain worker
+    processes and data streams each read (and list) the same bad records again."""
     try:
         lines = Path(skip_log).read_text().splitlines()
     except FileNotFoundError:

@@ -5,6 +5,9 @@ re-runs only unfinished groups, and hosts (`--num-parts`) never write the same f
 The held-out split is chosen per document by content (`is_eval_document`). A corpus with no
 held-out document at all still gets one: the last training document of the last group, which
 that group keeps aside (`fallback`) until the merge knows whether any group found one.
+
+A null text (document `None`) is skipped; each group counts its own (`null_texts` in `done.json`)
+and the merge adds them up, so the count is the same however the groups were written.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from input_pipeline.documents import Piece, piece_documents
+from input_pipeline.errors import DataError
 from input_pipeline.records import Codec, ShardSet, arrayrecord_codec, split_long
 from input_pipeline.tokenizers import (
     HF_TOKENIZER_FILE,
@@ -74,7 +78,7 @@ def is_eval_document(text: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < eval_fraction
 
 
-Source = tuple[Iterable[str], str | None]  # documents, and their split (None: by content)
+Source = tuple[Iterable[str | None], str | None]  # documents (None: a null text), their split
 
 
 def piece_sources(pieces: list[Piece], recipe: Recipe) -> list[Source]:
@@ -95,10 +99,21 @@ class _GroupWriter:
         self.shards = {s: ShardSet(folder, s, recipe.num_shards, codec) for s in SPLITS}
         self.fallback = ShardSet(folder, "fallback", 1, codec)
         self.documents = dict.fromkeys(SPLITS, 0)
+        self.null_texts = 0  # documents skipped for a null text
         self.pending: dict[str, list[str]] = {s: [] for s in SPLITS}
         self.hold_last = last_group and recipe.eval_fraction > 0 and not recipe.explicit_eval
 
-    def add(self, text: str, split: str) -> None:
+    def add(self, text: str | None, split: str | None) -> None:
+        """One document into `split` (None: chosen by its content); a null text is counted."""
+        if text is None:
+            self.null_texts += 1
+            return
+        if not isinstance(text, str):  # only a library caller's documents can be other things
+            raise DataError(
+                f"a document is {type(text).__name__}, not text; pass str documents (a None "
+                "one is skipped and counted)"
+            )
+        split = split or ("eval" if self.recipe.is_eval(text) else "train")
         self.pending[split].append(text)
         self.documents[split] += 1
         # the last train document may be held back, so one always stays pending
@@ -130,7 +145,8 @@ class _GroupWriter:
                 target.write(record)
         self._flush("train")
         manifest: dict[str, Any] = {
-            "splits": {s: _split_entry(self.documents[s], self.shards[s].close()) for s in SPLITS}
+            "splits": {s: _split_entry(self.documents[s], self.shards[s].close()) for s in SPLITS},
+            "null_texts": self.null_texts,
         }
         fallback = self.fallback.close()
         if aside:
@@ -162,7 +178,7 @@ def write_group(
     writer = _GroupWriter(folder, recipe, tok, last_group)
     for documents, split in sources:
         for text in documents:
-            writer.add(text, split or ("eval" if recipe.is_eval(text) else "train"))
+            writer.add(text, split)
             if on_document is not None:
                 on_document()
     manifest = writer.finish()
@@ -216,9 +232,10 @@ def run_file_group(task: tuple) -> int:
     return prepare_file_group(*task)
 
 
-def merge_groups(staging: Path, count: int, recipe: Recipe) -> dict[str, Any]:
-    """Move every group's shards to their global names in `staging` and return the `splits`
-    entry of `dataset.json`. Safe to re-run after a kill: moved files are found moved."""
+def merge_groups(staging: Path, count: int, recipe: Recipe) -> tuple[dict[str, Any], int]:
+    """Move every group's shards to their global names in `staging`; return the `splits` entry
+    of `dataset.json` and the number of null texts skipped. Safe to re-run after a kill: moved
+    files are found moved."""
     manifests = [finished(staging, i) for i in range(count)]
     missing = [i for i, m in enumerate(manifests) if m is None]
     if missing:
@@ -248,7 +265,8 @@ def merge_groups(staging: Path, count: int, recipe: Recipe) -> dict[str, Any]:
                 os.replace(source, staging / name)
             shards.append({**shard, "file": name})
         splits[split] = _split_entry(documents[split], shards)
-    return splits
+    # a group finished by a version that did not count null texts has none listed
+    return splits, sum(manifest.get("null_texts", 0) for manifest in manifests)
 
 
 def write_json(path: Path, value: Any) -> None:

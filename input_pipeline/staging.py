@@ -4,7 +4,8 @@ worker processes, and the merge that publishes the dataset atomically.
 `.<output>.partial/` holds `plan.json` (inputs, options and groups: a re-run with the same plan
 resumes, parts check they agree), `tokenizer.model` when SentencePiece is used, and one
 `group-NNNNN/` folder per group, finished when its `done.json` exists. The merge moves the shards
-to their global names, writes `dataset.json`, and renames the folder to the output.
+to their global names, writes `dataset.json` (with `null_texts_skipped`, the documents left out
+for a null text, when there were any), and renames the folder to the output.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from input_pipeline.dataset_info import INFO_FILE
+from input_pipeline.dataset_info import INFO_FILE, NULL_TEXTS
 from input_pipeline.documents import Piece
 from input_pipeline.errors import DataError
 from input_pipeline.shard_groups import (
@@ -176,12 +177,20 @@ def finish(
     staging: Path, output: Path, count: int, recipe: Recipe, tok: Tokenizer, overwrite: bool
 ) -> None:
     """Merge the finished groups into one dataset and publish it atomically."""
-    splits = merge_groups(staging, count, recipe)
+    splits, null_texts = merge_groups(staging, count, recipe)
+    nulls = f" ({null_texts} skipped for a null text)" if null_texts else ""
     train = splits.get("train", {})
     if not train.get("records"):
         what = "documents" if not train.get("documents") else "tokens (every document is empty)"
-        raise DataError(f"no training {what} for {output}; check the --input files")
+        field = " and --text-field" if null_texts else ""
+        raise DataError(f"no training {what}{nulls} for {output}; check the --input files{field}")
     held_out = splits.get("eval", {})
+    if recipe.explicit_eval and not held_out.get("documents"):
+        raise DataError(
+            f"the --eval-input files of {output} hold no document{nulls}, so it would have no "
+            "eval split; name held-out text with --eval-input, or leave it out and use "
+            "--eval-fraction"
+        )
     if held_out.get("documents") and not held_out.get("records"):
         raise DataError(
             f"the {held_out['documents']} held-out documents of {output} hold no next-token "
@@ -196,6 +205,8 @@ def finish(
         "max_record_tokens": recipe.max_record_tokens,
         "splits": splits,
     }
+    if null_texts:  # absent when none: a clean corpus's dataset.json (and fingerprint) as before
+        info[NULL_TEXTS] = null_texts
     write_json(staging / INFO_FILE, info)
     for i in range(count):
         shutil.rmtree(group_folder(staging, i), ignore_errors=True)

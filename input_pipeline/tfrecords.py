@@ -24,7 +24,7 @@ import numpy as np
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
-from input_pipeline.records import Codec, log_skip
+from input_pipeline.records import Codec, SkipLog
 
 FEATURE = "tokens"
 READERS = ("auto", "grain", "tfdata")
@@ -78,13 +78,11 @@ def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.
     files = grain.MapDataset.source(paths)
     if reading.shuffle:
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch
-    skip_log = str(reading.skip_log) if reading.skip_log else None
     shard = functools.partial(
         TFRecordShard,
         vocab_size=vocab_size,
         skip_corrupt=reading.skip_corrupt,
-        skip_log=skip_log,
-        warned=set(),  # shared by this reader's shards of every epoch: one warning per file
+        skips=SkipLog(reading.skip_log),  # shared by this reader's shards of every epoch
         empty=EmptyShards(paths, in_order=not reading.shuffle),
     )
     shards = files.repeat(reading.num_epochs).map(shard)
@@ -112,16 +110,14 @@ class TFRecordShard(grain.IterDataset):
         path: str,
         vocab_size: int,
         skip_corrupt: bool,
-        skip_log: str | None,
-        warned: set[str] | None = None,
+        skips: SkipLog | None = None,
         empty: EmptyShards | None = None,
     ):
         super().__init__()
         self.path = path
         self.vocab_size = vocab_size
         self.skip_corrupt = skip_corrupt
-        self.skip_log = skip_log
-        self.warned = set() if warned is None else warned
+        self.skips = SkipLog(None) if skips is None else skips
         self.empty = EmptyShards([path], in_order=True) if empty is None else empty
 
     def __iter__(self) -> grain.DatasetIterator:
@@ -176,7 +172,7 @@ class _ShardIterator(grain.DatasetIterator):
                 if problem in (UNPARSABLE, TRUNCATED)
                 else wrong_example(path, f"the record at byte {offset}", problem)
             )
-        log_skip(self._shard.skip_log, {"shard": path, "offset": offset}, self._shard.warned)
+        self._shard.skips.add((path, offset), {"shard": path, "offset": offset})
 
     def get_state(self) -> dict[str, Any]:
         return self._records.get_state()

@@ -308,6 +308,7 @@ def without(raw, *keys):
             r"splits.eval.shards\[0\].file is missing",
         ),
         (lambda raw: {**raw, "tokenizer": "byte"}, 'tokenizer is "byte", not a JSON object'),
+        (lambda raw: {**raw, "null_texts_skipped": "3"}, 'null_texts_skipped is "3", not a who'),
     ],
 )
 def test_damaged_dataset_json_names_the_field(dataset, tmp_path, edit, message):
@@ -427,3 +428,21 @@ def test_memory_cache_lists_skipped_records_before_the_workdir_exists(dataset, t
     log = tmp_path / "workdir" / "skipped.jsonl"
     source = memory_source(info, "train", Reading(skip_corrupt=True, skip_log=log))
     assert count_skipped(log) == len(source.missing) > 0
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_skip_log_lists_each_bad_record_once_however_many_epochs(dataset, tmp_path, shuffle):
+    """Before: every epoch appended the same skipped records again, so a long run over a small
+    dataset grew the skip log (re-read at every metrics line) without bound."""
+    from input_pipeline.records import count_skipped
+
+    info, _ = corrupt_copy(dataset, tmp_path)
+    counts = {}
+    for epochs in (1, 4):
+        log = tmp_path / f"skipped-{epochs}.jsonl"
+        reading = Reading(shuffle=shuffle, num_epochs=epochs, skip_corrupt=True, skip_log=log)
+        list(make_batch_iterator(info, "train", seq_len=32, batch_size=4, reading=reading))
+        lines = log.read_text().splitlines()
+        assert len(lines) == len(set(lines)) == count_skipped(log)
+        counts[epochs] = count_skipped(log)
+    assert counts[4] == counts[1] > 0

@@ -171,10 +171,14 @@ BAD_INPUTS = {  # an input prepare cannot read as meant -> what its one-line err
     "binary.txt": "binary.txt is not UTF-8 text (byte 128)",
     "latin1.jsonl": "latin1.jsonl is not UTF-8 text (byte 28)",
     "number.jsonl": "(byte 15): field 'text' holds int, not text; name the text field",
-    "null.jsonl": "(byte 0): field 'text' holds NoneType, not text",
+    "null.jsonl": "no training documents (1 skipped for a null text) for",
+    "list.jsonl": "(byte 15): field 'text' holds list, not text",
+    "object.jsonl": "(byte 15): field 'text' holds dict, not text",
     "broken.jsonl": "(line at byte 15) is not valid JSON (",
+    "surrogate.jsonl": "(byte 15): field 'text' holds an unpaired surrogate escape",
     "empty.txt": "no training tokens (every document is empty)",
     "numbers.parquet": "column 'text' holds int64, not text; name the text column",
+    "garbled.parquet": "garbled.parquet is not a readable parquet file (",
 }
 
 
@@ -185,6 +189,12 @@ def write_bad_input(folder, name):
         path.mkdir()
     elif name == "numbers.parquet":
         pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+    elif name == "garbled.parquet":  # row groups garbled, footer intact: found only when read
+        pq.write_table(pa.table({"text": texts(200)}), path, row_group_size=50)
+        data = bytearray(path.read_bytes())
+        for i in range(len(data) // 3, 2 * len(data) // 3):
+            data[i] ^= 0x5A
+        path.write_bytes(bytes(data))
     else:
         path.write_bytes(
             {
@@ -193,7 +203,10 @@ def write_bad_input(folder, name):
                 "latin1.jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
                 "number.jsonl": b'{"text": "ok"}\n{"text": 42}\n',
                 "null.jsonl": b'{"text": null}\n',
+                "list.jsonl": b'{"text": "ok"}\n{"text": ["a", "b"]}\n',
+                "object.jsonl": b'{"text": "ok"}\n{"text": {"a": "b"}}\n',
                 "broken.jsonl": b'{"text": "ok"}\n{"text": "unterminated\n',
+                "surrogate.jsonl": b'{"text": "ok"}\n{"text": "cut \\ud83d emoji"}\n',
                 "empty.txt": b"",
             }[name]
         )
@@ -203,7 +216,8 @@ def write_bad_input(folder, name):
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_inputs_prepare_would_misread_are_refused_in_one_line(tmp_path, capsys, name):
     """Before: a folder, an int text field and an empty file gave tracebacks or an unusable
-    dataset, and non-UTF-8 bytes became U+FFFD replacement tokens without a word."""
+    dataset, and non-UTF-8 bytes became U+FFFD replacement tokens without a word (and a JSON
+    escape of an unpaired surrogate became '?', or a SentencePiece error blaming the vocab size)."""
     path = write_bad_input(tmp_path / "in", name)
     assert prepare_main(["--input", str(path), "--output", str(tmp_path / "out")]) == 2
     assert BAD_INPUTS[name] in capsys.readouterr().err
@@ -242,3 +256,98 @@ def test_held_out_text_without_tokens_is_refused_at_prepare(tmp_path, capsys):
     args = ["--input", str(tmp_path / "train.txt"), "--eval-input", str(tmp_path / "held_out.txt")]
     assert prepare_main([*args, "--output", str(out)]) == 2
     assert "held-out documents of" in capsys.readouterr().err and not out.exists()
+
+
+def test_null_texts_are_skipped_and_counted_alike_in_parquet_and_jsonl(tmp_path, capsys):
+    """Before: parquet nulls were dropped without a word and a JSONL null refused the file."""
+    docs = texts(20)
+    with_nulls = [*docs[:5], None, *docs[5:12], None, None, *docs[12:]]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"body": d}) + "\n" for d in with_nulls)
+    pq.write_table(pa.table({"body": with_nulls}), tmp_path / "docs.parquet")
+    pq.write_table(pa.table({"body": docs}), tmp_path / "clean.parquet")
+    splits = {}
+    for name in ("docs.jsonl", "docs.parquet", "clean.parquet"):
+        out = tmp_path / name.replace(".", "_")
+        assert run_prepare("--input", tmp_path / name, "--output", out, "--text-field", "body") == 0
+        said = capsys.readouterr().err.splitlines()
+        info = load_dataset_info(out)
+        splits[name] = info.raw["splits"]
+        skipped = 0 if name == "clean.parquet" else 3
+        assert info.null_texts_skipped == skipped
+        if skipped:
+            assert said[-1] == "skipped 3 documents whose 'body' is null"
+        else:
+            assert "null" not in " ".join(said) and "null_texts_skipped" not in info.raw
+    assert splits["docs.jsonl"] == splits["docs.parquet"] == splits["clean.parquet"]
+
+
+def test_prepare_dataset_skips_and_counts_none_documents(tmp_path, capsys):
+    """Before: a None document was an AttributeError traceback from the held-out split's hash."""
+    docs = texts(10)
+    out = prepare_dataset([None, *docs, None], tmp_path / "out", eval_fraction=0.1, progress=False)
+    assert load_dataset_info(out).null_texts_skipped == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "skipped 2 documents that are None"
+    clean = prepare_dataset(docs, tmp_path / "clean", eval_fraction=0.1, progress=False)
+    assert load_dataset_info(out).raw["splits"] == load_dataset_info(clean).raw["splits"]
+    with pytest.raises(DataError, match="a document is int, not text; pass str documents"):
+        prepare_dataset([*docs, 7], tmp_path / "bad", progress=False)
+
+
+@pytest.mark.parametrize("encoding", ["dictionary", "string_view", "large_string"])
+def test_every_arrow_text_type_reads_as_text(tmp_path, capsys, encoding):
+    """Before: a dictionary-encoded (pandas categorical) or string_view text column was refused
+    as 'not text; name the text column with --text-field', naming the wrong problem and fix."""
+    if encoding == "string_view" and not hasattr(pa, "string_view"):
+        pytest.skip("string_view needs pyarrow >= 16")
+    docs = [*texts(12), None, texts(1)[0]]  # a repeated text, as a categorical column holds
+    column = {
+        "dictionary": lambda: pa.array(docs).dictionary_encode(),
+        "string_view": lambda: pa.array(docs, pa.string_view()),
+        "large_string": lambda: pa.array(docs, pa.large_string()),
+    }[encoding]()
+    pq.write_table(pa.table({"text": column}), tmp_path / "typed.parquet")
+    pq.write_table(pa.table({"text": docs}), tmp_path / "plain.parquet")
+    for name in ("typed", "plain"):
+        assert (
+            run_prepare("--input", tmp_path / f"{name}.parquet", "--output", tmp_path / name) == 0
+        )
+        assert capsys.readouterr().err.splitlines()[-1] == "skipped 1 document whose 'text' is null"
+    typed, plain = (load_dataset_info(tmp_path / n).raw["splits"] for n in ("typed", "plain"))
+    assert typed == plain
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--group-mb", "nan"], "--group-mb nan is not a positive size; give MB"),
+        (["--group-mb", "inf"], "--group-mb inf is not a positive size"),
+        (["--group-mb", "0"], "--group-mb 0.0 is not a positive size"),
+        (["--max-record-tokens", "0"], "--max-record-tokens 0 leaves no next-token pair"),
+        (["--max-record-tokens", "1"], "--max-record-tokens 1 leaves no next-token pair"),
+    ],
+)
+def test_sizes_prepare_cannot_use_are_refused_in_one_line(tmp_path, capsys, option, message):
+    """Before: nan/inf --group-mb and --max-record-tokens 0 were tracebacks, 0 MB groups cut
+    every JSONL line into a group of its own, and --max-record-tokens 1 blamed empty input."""
+    (tmp_path / "doc.txt").write_text(texts(1)[0])
+    out = tmp_path / "out"
+    assert prepare_main(["--input", str(tmp_path / "doc.txt"), "--output", str(out), *option]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("held_out", ["empty.jsonl", "nulls.parquet"])
+def test_eval_input_without_a_document_is_refused_at_prepare(tmp_path, capsys, held_out):
+    """Before: the dataset silently got no eval split, though --eval-input asked for one."""
+    (tmp_path / "train.txt").write_text(texts(1)[0])
+    if held_out == "empty.jsonl":
+        (tmp_path / held_out).write_text("")
+    else:
+        pq.write_table(pa.table({"text": pa.array([None, None], pa.string())}), tmp_path / held_out)
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "train.txt"), "--eval-input", str(tmp_path / held_out)]
+    assert prepare_main([*args, "--output", str(out)]) == 2
+    said = " (2 skipped for a null text)," if "nulls" in held_out else ","
+    assert f"the --eval-input files of {out} hold no document{said}" in capsys.readouterr().err
+    assert not out.exists()

@@ -202,3 +202,47 @@ def test_memory_stays_flat_however_many_groups_a_process_writes(tmp_path, repo_r
     rss = json.loads(done.stdout)
     settled, last = np.mean(rss[4:9]), np.mean(rss[-5:])  # the first groups warm caches up
     assert last - settled <= 3, f"RSS after each group (MB): {rss}"
+
+
+def add_null_lines(folder):
+    """A `{"text": null}` line inside and at the end of each JSONL file; returns how many."""
+    files = sorted(folder.glob("*.jsonl"))
+    for i, path in enumerate(files):
+        lines = path.read_text().splitlines(keepends=True)
+        lines.insert(i % len(lines), '{"text": null}\n')
+        path.write_text("".join(lines) + '{"text": null}\n')
+    return 2 * len(files)
+
+
+def test_null_texts_are_counted_across_workers_groups_and_parts(tmp_path, capsys):
+    """Before: a JSONL null refused the corpus (and parquet nulls vanished unsaid). Each group
+    counts its own null texts in its done.json and the merge adds them up: the same count with
+    one process, two worker processes, or two parts merged by the last to finish."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clean, corpus = tmp_path / "clean", tmp_path / "corpus"
+    write_corpus(clean)
+    shutil.copytree(clean, corpus)
+    texts = documents(6, seed=5)
+    pq.write_table(pa.table({"text": texts}), clean / "rows.parquet")
+    pq.write_table(
+        pa.table({"text": [None, *texts[:3], None, *texts[3:]]}), corpus / "rows.parquet"
+    )
+    nulls = 2 + add_null_lines(corpus)
+    assert prepare_main(cli(clean, tmp_path / "reference")[3:]) == 0
+    expected = records_of(tmp_path / "reference")
+    for name, runs in {
+        "one": [["--workers", "1"]],
+        "two": [["--workers", "2"]],
+        "parts": [["--num-parts", "2", "--part", str(i), "--workers", "1"] for i in range(2)],
+    }.items():
+        for args in runs:
+            assert prepare_main(cli(corpus, tmp_path / name, *args)[3:]) == 0
+        said = capsys.readouterr().err.splitlines()
+        assert said[-1] == f"skipped {nulls} documents whose 'text' is null", name
+        info = json.loads((tmp_path / name / "dataset.json").read_text())
+        assert info["null_texts_skipped"] == nulls
+        assert records_of(tmp_path / name) == expected  # nothing else changed

@@ -185,6 +185,17 @@ def test_skip_corrupt_reads_past_a_truncated_shard(datasets, tmp_path):
         make_batch_iterator(info, "train", reading=replace(reading, reader="tfdata"), **kw)
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_skip_log_lists_each_bad_record_once_however_many_epochs(datasets, tmp_path, shuffle):
+    """Before: every epoch appended the same skipped record again (4 lines after 4 epochs)."""
+    info, _ = damaged_copy(datasets[1], tmp_path, truncate=False)
+    log = tmp_path / "skipped.jsonl"
+    reading = Reading(shuffle=shuffle, num_epochs=4, skip_corrupt=True, skip_log=log)
+    list(make_batch_iterator(info, "train", seq_len=64, batch_size=4, reading=reading))
+    lines = log.read_text().splitlines()
+    assert len(lines) == len(set(lines)) == count_skipped(log) >= 1
+
+
 def test_bad_settings_and_missing_shards_name_the_fix(datasets, tmp_path):
     ar, tf = datasets
     with pytest.raises(DataError, match="reader=tfdata reads TFRecord.*--format tfrecord"):
