@@ -1,10 +1,13 @@
 """Start-up of Grain's worker processes (`data.workers > 0`): a worker reads and packs batches on
 the host, so it must never start an accelerator backend. One that did would hold device memory the
-trainer needs (on an H200, `data.workers=4` ran out of memory at the first step)."""
+trainer needs (on an H200, `data.workers=4` ran out of memory at the first step). It also ignores
+SIGINT: a terminal's Ctrl-C reaches every process of the group, and the trainer, which turns it
+into a clean stop, ends its workers itself (each printed a KeyboardInterrupt traceback)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 # GPU runtimes' device lists, read when a library in the worker (TensorFlow for data.reader=tfdata)
@@ -20,6 +23,7 @@ def host_only_worker(worker_index: int = 0, worker_count: int = 1) -> None:
     No backend exists yet at that point (tests/test_grain_workers.py), and JAX starts only the
     platforms `jax_platforms` names."""
     del worker_index, worker_count  # Grain passes them; every worker is set up the same way
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["JAX_PLATFORMS"] = "cpu"
     for name in HIDDEN_DEVICES:
         os.environ[name] = ""

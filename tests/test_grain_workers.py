@@ -7,10 +7,14 @@ runs exactly when a real GPU or TPU plugin would start its backend (and take dev
 accelerator host. The worker also reports which backends existed before that call: none may have
 been started by the worker's own start-up. The parent's JAX_PLATFORMS / CUDA_VISIBLE_DEVICES
 (which conftest pins for the test processes) are removed first, as on a real GPU host.
+
+A worker also ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the
+trainer, which stops the workers itself, turns it into a clean stop.
 """
 
 import json
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -61,6 +65,7 @@ def probe_backends(report: str) -> None:
         "platform": platform,
         "jax_platforms": jax.config.jax_platforms,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "ignores_sigint": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
     }
     Path(report).write_text(json.dumps(result))
 
@@ -85,3 +90,4 @@ def test_grain_workers_start_no_accelerator_backend(corpus, tmp_path, monkeypatc
     assert not seen["accelerator_factory_called"], seen
     assert seen["started_after"] == ["cpu"] and seen["platform"] == "cpu", seen
     assert seen["jax_platforms"] == "cpu" and seen["cuda_visible_devices"] == "", seen
+    assert seen["ignores_sigint"], "Ctrl-C printed a KeyboardInterrupt traceback per worker"

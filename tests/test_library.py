@@ -169,6 +169,27 @@ def test_plain_iterables_and_built_modules_work_too(tmp_path):
     assert result.step == 5
 
 
+def test_resuming_data_without_a_position_says_it_starts_again(tmp_path, capsys):
+    """A plain generator has no position to checkpoint: a resume used to train on its first
+    batches again without a word. A Grain iterator's resume says nothing (it resumes exactly)."""
+
+    def batches():
+        yield from train_data()
+
+    for steps, data in [(10, batches()), (12, train_data()), (14, batches())]:
+        config = config_for(tmp_path, steps)
+        trainer.run(config, model=Classifier, loss_fn=classification_loss, data=data)
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "starts again" in line]
+        if steps == 10 or steps == 12:  # a fresh start; a Grain iterator's resume
+            assert warnings == []
+        else:
+            assert warnings == [
+                "warning: the training data has no get_state/set_state, so it starts again from "
+                "its first batch: step 13 trains on what step 1 did; pass an iterator with "
+                "get_state/set_state (a Grain dataset's has) to resume its position"
+            ]
+
+
 def test_init_from_a_hugging_face_folder_needs_the_models_adapter(tmp_path):
     """A caller's model has no Hugging Face mapping: one line, not the transformer's mapping."""
     hf = f"hf:{Path(__file__).parent / 'fixtures' / 'hf_tiny_llama'}"

@@ -1,7 +1,8 @@
 """A session at the edges of a run: a dataset prepared without an eval split trains without evals
 (one line says so at the start) and still saves its final checkpoint; running a finished run again
 changes nothing, its summary.json included; a SIGTERM while the data source blocks stops the run
-with its last step saved, and the resume continues it exactly."""
+with its last step saved, and the resume continues it exactly; a SIGTERM during the final save
+lets it finish."""
 
 import json
 import os
@@ -122,6 +123,20 @@ class Batches:
     def set_state(self, state):
         self.position = state["position"]
 
+if os.environ.get("TERM_AFTER_SAVING"):  # the job's time runs out while that save writes
+    import signal
+    from trainer.checkpoint import Checkpointer
+    save, wait, saved, signalled = Checkpointer.save, Checkpointer.wait, [], []
+    def noting_save(self, step, *args):
+        saved.append(step)
+        return save(self, step, *args)
+    def sigterm_then_wait(self):  # the first wait once that save is under way: the run's last
+        if saved[-1:] == [int(os.environ["TERM_AFTER_SAVING"])] and not signalled:
+            signalled.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        wait(self)
+    Checkpointer.save, Checkpointer.wait = noting_save, sigterm_then_wait
+
 held_out = lambda: (batch(seed, "EVAL_BLOCK_AT") for seed in range(2))
 trainer.run(trainer.load_config(None, sys.argv[1:]), data=Batches(), eval_data=held_out)
 """
@@ -204,3 +219,14 @@ def test_sigterm_while_an_eval_source_blocks_saves_the_step_and_stops(tmp_path, 
     assert saved_steps(workdir) == [3]
     assert sorted(losses_of(workdir)) == [2, 3], "the stop's line reports step 3 (log.every=2)"
     assert not [r for r in rows_of(workdir) if "eval_loss" in r]
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_the_final_save_lets_it_finish(tmp_path, repo_root):
+    """The end of a run waits for its last save to be written. The signal handlers used to be
+    gone by then, so a SIGTERM (a job's time limit) killed the process mid-write and the resume
+    went back to the previous checkpoint."""
+    workdir = tmp_path / "run"
+    finished(caller_run(repo_root, workdir, TERM_AFTER_SAVING="8"))  # before: killed, rc -15
+    assert saved_steps(workdir) == [4, 8]
+    assert sorted(losses_of(workdir)) == list(range(1, 9))

@@ -64,6 +64,16 @@ def test_a_trip_writes_stacks_and_one_line_then_exits():
     assert "at step 8, last completed step 7, waiting for data (the input pipeline)" in line
 
 
+def test_a_sub_second_limit_is_not_printed_as_zero_seconds():
+    clock, out = FakeClock(), io.StringIO()
+    dog = Watchdog(0.02, clock=clock, out=out, on_timeout=lambda code: None)
+    dog.beat(1)
+    with dog.phase("step", step=2):
+        clock.now += 0.05
+        dog.trip()
+    assert "no progress for 0.05 s (limit 0.02 s, run.step_timeout_s)" in out.getvalue()
+
+
 def test_the_thread_trips_on_a_real_clock():
     codes = []
     dog = Watchdog(0.2, out=io.StringIO(), on_timeout=codes.append, poll_s=0.05)

@@ -146,9 +146,10 @@ class Loop:
             )
             return result
         progress = Progress(result, Watchdog(self.config.run.step_timeout_s))
-        self._steps(state, start_step, progress)
-        with self.goodput.timing("checkpoint"):
-            self.checkpointer.wait()  # saves still being written hold up the end of the run
+        with StopRequest() as stop:  # held over the last wait too: a SIGTERM must not cut a save
+            self._steps(state, start_step, progress, stop)
+            with self.goodput.timing("checkpoint"):
+                self.checkpointer.wait()  # saves still being written hold up the end of the run
         if jax.process_index() == 0 and result.step > start_step:  # else the last one stays
             summary = session_summary(
                 self.goodput,
@@ -165,7 +166,9 @@ class Loop:
                 self.writer.message(problem)
         return result
 
-    def _steps(self, state: TrainState, start_step: int, progress: Progress) -> None:
+    def _steps(
+        self, state: TrainState, start_step: int, progress: Progress, stop: StopRequest
+    ) -> None:
         config, total, result = self.config, self.config.run.steps, progress.result
         pending: deque[StepRecord] = deque()  # dispatched, metrics not read yet (oldest first)
         feed = DeviceFeed(
@@ -178,7 +181,7 @@ class Loop:
         timing = self.goodput.timing
         train_step = self.program.stepper()
         watch = progress.watchdog.phase
-        with feed, StopRequest() as stop, profile, progress.watchdog:
+        with feed, profile, progress.watchdog:
             if total - start_step > config.checkpoint.every:  # a save before the last step
                 with timing("checkpoint"), watch("checkpoint"):
                     self.checkpointer.warm_up(state, self.meta)

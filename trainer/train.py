@@ -208,6 +208,12 @@ def announce(
                 "top, use a new run.workdir with checkpoint.init_from="
                 f"{Path(config.run.workdir)}"
             )
+        if not callable(getattr(sources.train, "set_state", None)):
+            writer.message(
+                "warning: the training data has no get_state/set_state, so it starts again from "
+                f"its first batch: step {start_step + 1} trains on what step 1 did; pass an "
+                "iterator with get_state/set_state (a Grain dataset's has) to resume its position"
+            )
     else:
         staged = (
             ""
@@ -253,8 +259,8 @@ def restore_or_init(
     step, (state, data_state) = checkpointer.restore_newest(
         lambda step: checkpointer.restore(step, target)
     )
-    if data_state is not None:
-        train_iter.set_state(data_state)
+    if data_state is not None and callable(getattr(train_iter, "set_state", None)):
+        train_iter.set_state(data_state)  # else it starts again; `announce` says so
     return state, step
 
 

@@ -128,7 +128,8 @@ class Watchdog:
         last = "none" if self.last_completed is None else str(self.last_completed)
         process = _process_label()
         print(
-            f"error: watchdog{process}: no progress for {waited:.0f} s (limit {limit:.0f} s, "
+            f"error: watchdog{process}: no progress for {_seconds(waited)} s (limit "
+            f"{_seconds(limit)} s, "
             f"run.step_timeout_s) at step {self.step}, last completed step {last}, waiting "
             f"for {WAITS.get(self.current, self.current)}; stacks above. Exiting with status "
             f"{EXIT_STUCK} so the launcher restarts the job from the latest checkpoint",
@@ -161,3 +162,8 @@ def _process_label() -> str:
     except Exception:  # a runtime in a broken state must not stop the report
         return ""
     return f" (process {jax.process_index()} of {count})" if count > 1 else ""
+
+
+def _seconds(value: float) -> str:
+    """Whole seconds, or two significant digits below one: a 0.02 s limit is not "0 s"."""
+    return f"{value:.0f}" if value >= 1 else f"{value:.2g}"
