@@ -123,7 +123,14 @@ class StreamBatches:
                     f"{state['streams']} streams; set data.streams={state['streams']} (or unset "
                     "it) to resume this run"
                 )
-            self._set_streams(state["streams"])
+            saved, processes = state["streams"], self._process[1]
+            if saved % processes:  # data.streams cannot help: the checkpoint fixed the count
+                raise DataError(
+                    f"the checkpoint's data position has {saved} data streams, which do not "
+                    f"split over {processes} processes; resume on a process count that divides "
+                    f"{saved} (a new run keeps any process count that divides its data.streams)"
+                )
+            self._set_streams(saved)
         missing = [s for s in self.owned if str(s) not in state["positions"]]
         if missing:
             raise DataError(

@@ -23,15 +23,29 @@
 # Only sets variables and starts processes: install the project first (see README.md).
 set -uo pipefail
 
-usage() {
-  echo "usage: launch/local.sh N [--config FILE] [section.key=value ...]" >&2
-  exit 2
+usage="usage: launch/local.sh N [--config FILE] [section.key=value ...]"
+# whole_number NAME VALUE MIN [HINT]: one line and exit 2 unless VALUE is a whole number >= MIN
+whole_number() {
+  if [[ ! $2 =~ ^[0-9]+$ ]] || ((10#$2 < $3)); then
+    echo "local.sh: $1=$2 is not a whole number >= $3; give $1 as one${4:+ ($4)}" >&2
+    exit 2
+  fi
 }
-[[ $# -ge 1 && $1 =~ ^[1-9][0-9]*$ ]] || usage
-num_processes=$1
+[[ $# -ge 1 ]] || { echo "$usage" >&2; exit 2; }
+whole_number N "$1" 1 "$usage"
+num_processes=$((10#$1))
 shift
 python=${PYTHON:-python}
+if ! command -v "$python" >/dev/null; then
+  echo "local.sh: PYTHON=$python is not a command here; set PYTHON to the interpreter with the" \
+    "project installed" >&2
+  exit 2
+fi
 grace=${LOCAL_KILL_GRACE_S:-10}
+if [[ ! $grace =~ ^[0-9]+(\.[0-9]+)?$ ]]; then
+  echo "local.sh: LOCAL_KILL_GRACE_S=$grace is not a number of seconds; give it as one, e.g. 10" >&2
+  exit 2
+fi
 
 device=${LOCAL_DEVICE:-}
 gpus=0
@@ -50,6 +64,8 @@ case $device in
     per_process=$((gpus / num_processes)) ;;
   cpu)
     cpu_devices=${LOCAL_CPU_DEVICES:-8}
+    whole_number LOCAL_CPU_DEVICES "$cpu_devices" 1
+    cpu_devices=$((10#$cpu_devices))
     if ((cpu_devices % num_processes)); then
       echo "local.sh: LOCAL_CPU_DEVICES=$cpu_devices does not split over $num_processes" \
         "processes; use a multiple of $num_processes" >&2
@@ -67,6 +83,7 @@ esac
 
 free_port='import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 port=${JAX_COORDINATOR_PORT:-$("$python" -c "$free_port")}
+whole_number JAX_COORDINATOR_PORT "$port" 1
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$num_processes
 
 pids=()

@@ -11,7 +11,8 @@
 #   REPO_DIR  where the project is checked out and installed on every VM (default: accel-trainer,
 #             relative to the home directory)
 #   PYTHON    interpreter on the VMs with the project installed (default: python3)
-# Put run.workdir and data.path on storage every worker sees (a gs:// bucket or a shared disk).
+# Put run.workdir and data.path on storage every worker mounts at the same path (an NFS share
+# such as Filestore, or a bucket mounted with gcsfuse): they are local paths, not gs:// URLs.
 # When one worker dies the others exit non-zero within seconds; run the script again to resume
 # from the latest checkpoint. Only starts processes: install the project on the VMs beforehand.
 set -euo pipefail

@@ -254,6 +254,17 @@ def test_empty_text_is_refused(override):
     assert message.endswith("; give it a value, or leave the key out for its default")
 
 
+def test_a_url_workdir_is_refused():
+    """`run.workdir=gs://bucket/run` made a local folder `gs:/bucket/run` and failed at the first
+    save with Orbax's traceback."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["run.workdir=gs://bucket/run"])
+    assert str(info.value) == (
+        "run.workdir=gs://bucket/run is a URL, and the trainer writes local paths; mount the "
+        "bucket (e.g. gcsfuse) at the same path on every host and give that path"
+    )
+
+
 def test_a_negative_seed_is_refused_before_grain_sees_it():
     """Grain raised `expected non-negative integer` with a traceback after the model was built."""
     with pytest.raises(ConfigError, match=r"^run.seed: Input should be greater than or equal to 0"):

@@ -29,7 +29,12 @@ from input_pipeline.streams import StreamBatches
 from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.observe.watchdog import EXIT_STUCK
-from trainer.parallel.distributed import ClusterSpec, cluster_from_env
+from trainer.parallel.distributed import (
+    ClusterSpec,
+    check_same_config,
+    check_shared_workdir,
+    cluster_from_env,
+)
 from trainer.train import run
 
 RTOL = 1e-5
@@ -359,6 +364,39 @@ def test_local_launcher_sets_the_runtime_variables_and_stops_all_when_one_fails(
     assert seen[0]["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4"]
 
 
+@pytest.mark.parametrize(
+    ("count", "knobs", "message"),
+    [
+        ("two", {}, "local.sh: N=two is not a whole number >= 1; give N as one (usage: "),
+        ("0", {}, "local.sh: N=0 is not a whole number >= 1;"),
+        ("2", {"LOCAL_CPU_DEVICES": "0"}, "LOCAL_CPU_DEVICES=0 is not a whole number >= 1;"),
+        ("2", {"LOCAL_CPU_DEVICES": "eight"}, "LOCAL_CPU_DEVICES=eight is not a whole number"),
+        ("2", {"JAX_COORDINATOR_PORT": "auto"}, "JAX_COORDINATOR_PORT=auto is not a whole"),
+        ("2", {"LOCAL_KILL_GRACE_S": "ten"}, "LOCAL_KILL_GRACE_S=ten is not a number of"),
+        ("2", {"PYTHON": "no-such-python"}, "PYTHON=no-such-python is not a command here;"),
+    ],
+)
+def test_local_launcher_refuses_bad_knobs_in_one_line(tmp_path, repo_root, count, knobs, message):
+    """A bad count or knob stops the launcher before any process starts (LOCAL_CPU_DEVICES=0
+    made every process segfault; a word there, an unbound-variable error and exit 1)."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\ntouch {tmp_path}/ran\n'
+    )
+    fake.chmod(0o755)
+    env = cpu_env(**{"PYTHON": str(fake), "LOCAL_DEVICE": "cpu", **knobs})
+    done = subprocess.run(
+        [str(repo_root / "launch/local.sh"), count, "--config", "x.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr
+    assert not (tmp_path / "ran").exists()
+
+
 def test_kubernetes_manifest_gives_each_pod_what_the_runtime_needs(repo_root):
     docs = list(yaml.safe_load_all((repo_root / "launch/k8s/trainer.yaml").read_text()))
     service = next(d for d in docs if d["kind"] == "Service")
@@ -432,6 +470,8 @@ def test_cluster_from_environment():
             "outside 0..1",
         ),
         ({"JAX_COORDINATOR_ADDRESS": "h0:1", "JAX_NUM_PROCESSES": "two"}, "not an integer"),
+        ({"JAX_COORDINATOR_ADDRESS": "h0:http", "JAX_NUM_PROCESSES": "2"}, "no valid port"),
+        ({"JAX_COORDINATOR_ADDRESS": "h0:0", "JAX_NUM_PROCESSES": "2"}, "no valid port"),
     ],
 )
 def test_bad_cluster_variables_are_one_line(environ, message):
@@ -440,20 +480,20 @@ def test_bad_cluster_variables_are_one_line(environ, message):
 
 
 @pytest.mark.slow
-def test_unreachable_coordinator_fails_within_the_init_timeout(repo_root):
+def test_unreachable_coordinator_fails_within_the_init_timeout(tmp_path, repo_root):
+    """A peer whose process 0 never comes up says so in one line (JAX's own abort printed a
+    stack trace blaming "another task" that died)."""
+    port = free_port()  # nobody listens there
     env = cpu_env(
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",  # nobody listens there
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES="2",
         JAX_PROCESS_ID="1",
         JAX_INIT_TIMEOUT_S="2",
     )
-    code = (
-        "from trainer.parallel.distributed import maybe_initialize; "
-        "maybe_initialize(); print('joined')"
-    )
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+        + [f"run.workdir={tmp_path}"],
         cwd=repo_root,
         env=env,
         capture_output=True,
@@ -463,6 +503,144 @@ def test_unreachable_coordinator_fails_within_the_init_timeout(repo_root):
     assert done.returncode != 0 and "joined" not in done.stdout
     assert "joining the cluster at 127.0.0.1:" in done.stderr
     assert time.monotonic() - start < 30
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[1:] == [
+        f"error: process 0's coordinator at 127.0.0.1:{port} did not answer within 2 s "
+        "(JAX_INIT_TIMEOUT_S); start process 0 (JAX_PROCESS_ID=0) on that host, or fix "
+        "JAX_COORDINATOR_ADDRESS"
+    ]
+
+
+def test_a_coordinator_port_in_use_is_one_line(tmp_path, repo_root):
+    """Process 0 on a port something else listens on (JAX's coordination service segfaults)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = cpu_env(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID="0",
+            JAX_INIT_TIMEOUT_S="5",
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+            + [f"run.workdir={tmp_path}"],
+            cwd=repo_root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("joining ")]
+    assert done.returncode == 2, done.stderr
+    assert errors == [
+        f"error: port {port} of JAX_COORDINATOR_ADDRESS=127.0.0.1:{port} is already in use on "
+        "process 0's host; stop what holds it or choose a free port "
+        "(launch/local.sh: JAX_COORDINATOR_PORT)"
+    ]
+
+
+def test_a_slurm_task_missing_variables_jax_needs_names_them(tmp_path, repo_root):
+    """An `srun` task whose container passed only some SLURM_* (JAX said "coordinator_address
+    should be defined")."""
+    env = cpu_env(
+        SLURM_STEP_ID="0",
+        SLURM_PROCID="1",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_JOB_ID="77",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_LOCALID="1",
+        JAX_INIT_TIMEOUT_S="5",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+        + [f"run.workdir={tmp_path}"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[1:] == [
+        "error: could not join the slurm-detected cluster: this task lacks SLURM_NTASKS; pass "
+        "every SLURM_* variable into the task (e.g. its container), or set "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+    ]
+
+
+AGREE_ON_CONFIG = """
+import os
+import sys
+from trainer.errors import ConfigError, TrainingError
+from trainer.parallel.distributed import check_same_config, check_shared_workdir, maybe_initialize
+
+maybe_initialize()
+me = os.environ["JAX_PROCESS_ID"]
+check_same_config({"run": {"workdir": "/w", "steps": 3}, "optim": {"lr": 0.1}})
+print("same configs agree", flush=True)
+try:
+    check_same_config({"run": {"workdir": "/w" + me, "steps": 3}, "optim": {"lr": 0.1}})
+except ConfigError as err:
+    print(f"error: {err}", flush=True)
+check_shared_workdir(sys.argv[1] + "/shared")
+print("a shared workdir passes", flush=True)
+try:  # each process its own folder: what a host-local disk at the same path looks like
+    check_shared_workdir(sys.argv[1] + "/local" + me, wait_s=0.5)
+except ConfigError as err:
+    print(f"error: {err}", flush=True)
+try:  # a folder under a file: process 0 cannot make it, and every process stops
+    check_shared_workdir(sys.argv[1] + "/agree.py/run")
+except TrainingError as err:
+    print(f"error: {err}", flush=True)
+"""
+
+
+def test_processes_given_different_configs_or_workdirs_are_told_so(tmp_path, repo_root):
+    """Another `run.workdir` on one process, or the same path on a host-local disk, hangs the
+    first checkpoint save; every process says so instead (and the shared folder is left clean)."""
+    assert check_same_config({"run": {"workdir": "/w"}}) is None, "a single process: no-op"
+    assert check_shared_workdir(tmp_path / "alone") is None
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE_ON_CONFIG)
+    env = cpu_env(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+        JAX_NUM_PROCESSES="2",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=str(repo_root),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            cwd=repo_root,
+            env={**env, "JAX_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [
+        [line for line in p.communicate(timeout=120)[0].splitlines() if "[Gloo]" not in line]
+        for p in procs
+    ]
+    assert outputs == [
+        [
+            "same configs agree",
+            f"error: process 1's config differs from process 0's in run.workdir (process {i} "
+            f"has run.workdir='/w{i}'); give every process the same --config file and overrides",
+            "a shared workdir passes",
+            f"error: run.workdir={tmp_path}/local{i} is not one shared folder: process(es) 1 do "
+            "not see the file process 0 wrote there; put run.workdir on storage every host "
+            "mounts at the same path (NFS, Lustre, ...)",
+            f"error: process 0 cannot write run.workdir={tmp_path}/agree.py/run"
+            + (": Not a directory" if i == 0 else " (process 0's log says why)")
+            + "; choose a writable folder",
+        ]
+        for i in range(2)
+    ]
+    assert list((tmp_path / "shared").iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- data streams
@@ -521,6 +699,21 @@ def test_stream_positions_resume_on_another_process_count():
     pinned = StreamBatches(lambda s, n: CountingStream(s), 2, 0, 1, pinned=True)
     with pytest.raises(DataError, match="set data.streams=4"):
         pinned.set_state(merged)
+
+
+def test_a_stream_count_that_cannot_split_over_the_processes_names_the_checkpoint():
+    """A 1-stream checkpoint resumed on 2 processes advised data.streams=2, which the resume then
+    refused, advising data.streams=1: the way out is the process count."""
+    one = StreamBatches(lambda s, n: CountingStream(s), 1, 0, 1)
+    next(one)
+    two = StreamBatches(lambda s, n: CountingStream(s), 2, 0, 2, pinned=False)
+    with pytest.raises(DataError) as info:
+        two.set_state(one.get_state())
+    assert str(info.value) == (
+        "the checkpoint's data position has 1 data streams, which do not split over 2 "
+        "processes; resume on a process count that divides 1 (a new run keeps any process "
+        "count that divides its data.streams)"
+    )
 
 
 def test_finished_eval_streams_pad_with_zero_weight_rows():

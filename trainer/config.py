@@ -70,6 +70,17 @@ class RunConfig(_Section):
     # and saves). .inf: never (the one float key where infinity means something: no watchdog)
     step_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=True)
 
+    @field_validator("workdir")
+    @classmethod
+    def _local_workdir(cls, workdir: str) -> str:
+        """A URL would become a local folder named `gs:`, then fail at the first save."""
+        if "://" in workdir:
+            raise ValueError(
+                f"run.workdir={workdir} is a URL, and the trainer writes local paths; mount the "
+                "bucket (e.g. gcsfuse) at the same path on every host and give that path"
+            )
+        return workdir
+
 
 class MixtureSource(_Section):
     path: str  # a prepared dataset folder (or a built-in corpus name)

@@ -34,6 +34,7 @@ from trainer.observe.flops import device_peak_tflops
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
+from trainer.parallel.distributed import check_same_config, check_shared_workdir
 from trainer.parallel.pipeline import PipelineSpec
 from trainer.parallel.state import TrainState
 from trainer.program import TrainProgram, build_program
@@ -67,6 +68,8 @@ def run(
     Returns a `RunResult` (final `state`, `step`, `last_metrics`, `eval_loss`).
     """
     with Goodput() as goodput:  # counts this session's compiles while open
+        check_same_config(config.to_dict())  # several processes: one config, one shared workdir
+        check_shared_workdir(config.run.workdir)
         mesh, pipeline = sharding.make_mesh(config.mesh), pipeline_spec(config)
         sources = open_data(config, mesh, pipeline, model, data, eval_data)
         vocab_size = config.model.vocab_size or sources.vocab_size or 0

@@ -7,6 +7,12 @@ Must run before any JAX backend call. Where the cluster comes from, first match 
 3. `JAX_DISTRIBUTED_AUTO=1`: JAX's own detection (Cloud TPU pod metadata, Open MPI, Kubernetes
    with the `kubernetes` package).
 
+Mistakes get one line and exit 2 before JAX sees them: process 0's port already taken (JAX
+segfaults), and a peer whose process 0 does not answer within `JAX_INIT_TIMEOUT_S` (JAX aborts
+with a stack trace blaming "another task"). `check_same_config` and `check_shared_workdir`, for
+the CLI to call once joined, catch processes given different configs or a host-local
+`run.workdir` (either hangs the first checkpoint save, or trains silently different replicas).
+
 A dead peer never hangs the job, by the runtime's own machinery: the coordination service
 aborts a process (non-zero exit) that cannot register within `JAX_INIT_TIMEOUT_S` (300) seconds,
 and every process once a peer has missed heartbeats for `JAX_HEARTBEAT_TIMEOUT_S` (20) seconds
@@ -19,10 +25,18 @@ watchdog (`trainer/observe/watchdog.py`, `run.step_timeout_s`) ends every proces
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import math
 import os
+import secrets
+import socket
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from trainer.errors import ConfigError, TrainingError
 
@@ -32,6 +46,14 @@ INIT_TIMEOUT_S = 300
 HEARTBEAT_TIMEOUT_S = 20
 # A process that finished waits this long at exit for the others to finish too.
 SHUTDOWN_TIMEOUT_S = 300
+# What JAX's Slurm detection reads in each task of an `srun` step.
+SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,12 @@ def _explicit(environ: Mapping[str, str], timeouts: dict[str, int]) -> ClusterSp
     if ":" not in address:
         raise ConfigError(
             f"JAX_COORDINATOR_ADDRESS={address!r} has no port; use host:port of process 0"
+        )
+    port = address.rsplit(":", 1)[1]
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            f"JAX_COORDINATOR_ADDRESS={address!r} has no valid port; use host:port of process 0 "
+            "with a port in 1..65535"
         )
     count = _int_var(environ, "JAX_NUM_PROCESSES")
     if count is None:
@@ -112,10 +140,63 @@ def describe(spec: ClusterSpec) -> str:
     )
 
 
+def _port_in_use(port: int) -> bool:
+    """Whether the coordination service could not listen on `port` (it binds every interface)."""
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        host = "::"
+    except OSError:  # no IPv6 on this host
+        probe, host = socket.socket(socket.AF_INET), "0.0.0.0"
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is fine
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
+
+
+def check_coordinator_port(spec: ClusterSpec) -> None:
+    """Process 0 hosts the coordination service; a port already taken crashes it inside JAX (a
+    segfault), so say so in one line first."""
+    if spec.process_id != 0 or spec.coordinator_address is None:
+        return
+    port = int(spec.coordinator_address.rsplit(":", 1)[1])
+    if _port_in_use(port):
+        raise TrainingError(
+            f"port {port} of JAX_COORDINATOR_ADDRESS={spec.coordinator_address} is already in "
+            "use on process 0's host; stop what holds it or choose a free port "
+            "(launch/local.sh: JAX_COORDINATOR_PORT)"
+        )
+
+
+def wait_for_coordinator(spec: ClusterSpec) -> int:
+    """Seconds left of the init timeout once process 0's coordinator accepts connections. JAX
+    itself aborts with a stack trace blaming "another task" when it never does."""
+    if not spec.process_id or spec.coordinator_address is None:
+        return spec.init_timeout_s
+    host, port = spec.coordinator_address.rsplit(":", 1)
+    deadline = time.monotonic() + spec.init_timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(left, 2)):
+                return max(1, math.ceil(deadline - time.monotonic()))
+        except OSError:  # not listening yet, or its name does not resolve yet (a starting pod)
+            time.sleep(min(0.5, max(left, 0)))
+    raise TrainingError(
+        f"process 0's coordinator at {spec.coordinator_address} did not answer within "
+        f"{spec.init_timeout_s} s (JAX_INIT_TIMEOUT_S); start process 0 (JAX_PROCESS_ID=0) on "
+        "that host, or fix JAX_COORDINATOR_ADDRESS"
+    )
+
+
 def initialize(spec: ClusterSpec) -> None:
     """`jax.distributed.initialize` with our timeouts, after a line saying what it tries (the
     runtime aborts the process when that fails: see the module docstring)."""
     import jax  # after the environment is read: importing jax starts no backend
+
+    check_coordinator_port(spec)
 
     print(
         f"joining {describe(spec)} (init timeout {spec.init_timeout_s} s, heartbeat timeout "
@@ -123,17 +204,25 @@ def initialize(spec: ClusterSpec) -> None:
         file=sys.stderr,
         flush=True,
     )
+    init_timeout_s = wait_for_coordinator(spec)
     try:
         jax.distributed.initialize(
             coordinator_address=spec.coordinator_address,
             num_processes=spec.num_processes,
             process_id=spec.process_id,
-            initialization_timeout=spec.init_timeout_s,
+            initialization_timeout=init_timeout_s,
             heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
             shutdown_timeout_seconds=spec.shutdown_timeout_s,
         )
     except (RuntimeError, ValueError) as err:  # e.g. a detected cluster missing a value
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        missing = [v for v in SLURM_VARS if v not in os.environ] if spec.source == "slurm" else []
+        if missing:
+            raise TrainingError(
+                f"could not join {describe(spec)}: this task lacks {', '.join(missing)}; pass "
+                "every SLURM_* variable into the task (e.g. its container), or set "
+                "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+            ) from None
         raise TrainingError(
             f"could not join {describe(spec)}: {first_line}; check the launcher's JAX_* or "
             "scheduler variables and that process 0's address and port are reachable"
@@ -145,3 +234,88 @@ def maybe_initialize(environ: Mapping[str, str] = os.environ) -> None:
     spec = cluster_from_env(environ)
     if spec is not None:
         initialize(spec)
+
+
+def _settings(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """`section.key` and value for every leaf of a nested config dict, in sorted order."""
+    for name in sorted(tree):
+        value = tree[name]
+        if isinstance(value, Mapping):
+            yield from _settings(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def _digest(value: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:4], "little", signed=True)
+
+
+def check_same_config(config: Mapping[str, Any]) -> None:
+    """Every process must train the same config: one given another `run.workdir` hangs in its
+    first checkpoint save, and another learning rate silently trains different replicas. Call it
+    after joining the cluster, with the resolved config as a nested dict; a no-op alone."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return
+    names, values = zip(*_settings(config), strict=True)
+    mine = np.array([_digest(v) for v in values], np.int32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    differing = [p for p in range(len(everyone)) if not np.array_equal(everyone[p], everyone[0])]
+    if not differing:
+        return
+    other = differing[0]
+    keys = [n for n, a, b in zip(names, everyone[0], everyone[other], strict=True) if a != b]
+    me = jax.process_index()
+    here = ", ".join(f"{n}={v!r}" for n, v in zip(names, values, strict=True) if n in keys[:3])
+    raise ConfigError(
+        f"process {other}'s config differs from process 0's in {', '.join(keys)} (process {me} "
+        f"has {here}); give every process the same --config file and overrides"
+    )
+
+
+def _sees(path: Path, wait_s: float) -> bool:
+    """Whether `path` exists here within `wait_s` seconds (a network filesystem may lag)."""
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def check_shared_workdir(workdir: str | os.PathLike, wait_s: float = 10.0) -> None:
+    """Every process must see the same `run.workdir`: on a host-local disk each one writes its
+    own part of a checkpoint and the first save hangs. Process 0 leaves a file there and every
+    process looks for it; a no-op alone."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return
+    token, why = secrets.randbits(31), " (process 0's log says why)"
+    if jax.process_index() == 0:
+        try:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+            (Path(workdir) / f".written-by-process-0.{token}").write_text("")
+        except OSError as err:
+            token, why = -1, f": {err.strerror}"
+    token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))  # process 0's
+    if token < 0:  # every process stops, not only process 0
+        raise TrainingError(
+            f"process 0 cannot write run.workdir={workdir}{why}; choose a writable folder"
+        )
+    marker = Path(workdir) / f".written-by-process-0.{token}"
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(_sees(marker, wait_s))))
+    if jax.process_index() == 0:
+        marker.unlink(missing_ok=True)
+    blind = [p for p, saw in enumerate(seen.reshape(-1)) if not saw]
+    if blind:
+        raise ConfigError(
+            f"run.workdir={workdir} is not one shared folder: process(es) "
+            f"{', '.join(map(str, blind))} do not see the file process 0 wrote there; put "
+            "run.workdir on storage every host mounts at the same path (NFS, Lustre, ...)"
+        )
