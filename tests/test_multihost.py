@@ -479,6 +479,19 @@ def test_bad_cluster_variables_are_one_line(environ, message):
         cluster_from_env(environ)
 
 
+def tiny_cli(repo_root: Path, workdir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -m trainer.main` on the tiny config as one process of a cluster `env` describes."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+        + [f"run.workdir={workdir}"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.slow
 def test_unreachable_coordinator_fails_within_the_init_timeout(tmp_path, repo_root):
     """A peer whose process 0 never comes up says so in one line (JAX's own abort printed a
@@ -491,15 +504,7 @@ def test_unreachable_coordinator_fails_within_the_init_timeout(tmp_path, repo_ro
         JAX_INIT_TIMEOUT_S="2",
     )
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
-        + [f"run.workdir={tmp_path}"],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = tiny_cli(repo_root, tmp_path, env)
     assert done.returncode != 0 and "joined" not in done.stdout
     assert "joining the cluster at 127.0.0.1:" in done.stderr
     assert time.monotonic() - start < 30
@@ -523,15 +528,7 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path, repo_root):
             JAX_PROCESS_ID="0",
             JAX_INIT_TIMEOUT_S="5",
         )
-        done = subprocess.run(
-            [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
-            + [f"run.workdir={tmp_path}"],
-            cwd=repo_root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = tiny_cli(repo_root, tmp_path, env)
     errors = [line for line in done.stderr.splitlines() if not line.startswith("joining ")]
     assert done.returncode == 2, done.stderr
     assert errors == [
@@ -553,15 +550,7 @@ def test_a_slurm_task_missing_variables_jax_needs_names_them(tmp_path, repo_root
         SLURM_LOCALID="1",
         JAX_INIT_TIMEOUT_S="5",
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
-        + [f"run.workdir={tmp_path}"],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = tiny_cli(repo_root, tmp_path, env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[1:] == [
         "error: could not join the slurm-detected cluster: this task lacks SLURM_NTASKS; pass "
