@@ -22,6 +22,10 @@ _END = object()
 POLL_S = 0.1
 
 
+def _never() -> bool:
+    return False
+
+
 def row_feeders(sharding: NamedSharding) -> tuple[int, int]:
     """`(index, count)`: this process's place among the processes that feed distinct rows of a
     batch laid out by `sharding`, and how many such row blocks there are. Processes whose devices
@@ -151,10 +155,7 @@ class DeviceFeed:
         return not self._ready.empty()
 
     def __next__(self) -> tuple[dict[str, jax.Array], Any]:
-        start = time.perf_counter()
-        item = self._ready.get()
-        self.last_wait_s = time.perf_counter() - start
-        return self._take(item)
+        return self.next_unless(_never)  # never None: it never gives up
 
     def next_unless(self, stopped: Callable[[], bool]) -> tuple[dict[str, jax.Array], Any] | None:
         """`next`, or None once `stopped()` is true while no batch has come: a wait on a source

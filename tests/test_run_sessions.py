@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,20 @@ def finished(proc: subprocess.Popen, timeout_s: float = 300) -> str:
     return stderr
 
 
+def sigterm_once(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -> str:
+    """SIGTERM `proc` once `ready()` holds; its stderr after a clean exit. Before the fix, a run
+    waiting on a blocked source never exited."""
+    try:
+        deadline = time.monotonic() + 240
+        while not ready():
+            assert time.monotonic() < deadline and proc.poll() is None, f"never reached {what}"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        return finished(proc, timeout_s=120)  # a save and an exit
+    finally:
+        proc.kill()
+
+
 @pytest.mark.slow
 def test_sigterm_while_the_data_source_blocks_saves_the_last_step_and_resumes_exactly(
     tmp_path, repo_root
@@ -177,15 +192,8 @@ def test_sigterm_while_the_data_source_blocks_saves_the_last_step_and_resumes_ex
 
     workdir = tmp_path / "stopped"
     proc = caller_run(repo_root, workdir, BLOCK_AT="5")  # steps 1-5 get batches; 6 waits
-    try:
-        deadline = time.monotonic() + 240
-        while 5 not in (losses_of(workdir) if (workdir / "metrics.jsonl").exists() else {}):
-            assert time.monotonic() < deadline and proc.poll() is None, "step 5 never logged"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        stderr = finished(proc, timeout_s=120)  # a save and an exit; before: forever
-    finally:
-        proc.kill()
+    logged = workdir / "metrics.jsonl"
+    stderr = sigterm_once(proc, lambda: logged.exists() and 5 in losses_of(workdir), "step 5")
     assert f"stopped by SIGTERM at step 5; checkpoint saved in {workdir / 'checkpoints/5'}" in (
         stderr
     ), stderr[-3000:]
@@ -204,15 +212,7 @@ def test_sigterm_while_an_eval_source_blocks_saves_the_step_and_stops(tmp_path, 
     proc = caller_run(
         repo_root, workdir, "eval.every=3", "log.every=2", EVAL_BLOCK_AT="1", BLOCKED=str(blocked)
     )
-    try:
-        deadline = time.monotonic() + 240
-        while not blocked.exists():  # the eval after step 3 waits for its second batch
-            assert time.monotonic() < deadline and proc.poll() is None, "the eval never blocked"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        stderr = finished(proc, timeout_s=120)  # a save and an exit; before: forever
-    finally:
-        proc.kill()
+    stderr = sigterm_once(proc, blocked.exists, "the eval's block")  # its second batch waits
     assert f"stopped by SIGTERM at step 3; checkpoint saved in {workdir / 'checkpoints/3'}" in (
         stderr
     ), stderr[-3000:]

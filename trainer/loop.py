@@ -227,7 +227,7 @@ class Loop:
                         self._read_finished(pending, progress, keep=0, last=stop.requested)
                 if evaluating and self.sources.make_eval is not None:
                     # a stop decided at this step lets its eval finish; one during it ends it
-                    stopped = _never if stop.requested else stop.at_wait
+                    stopped = (lambda: False) if stop.requested else stop.at_wait
                     with timing("eval"), watch("eval"):
                         losses = self._eval_losses(state, stopped)
                     if losses is not None:
@@ -387,7 +387,3 @@ class Loop:
         self.writer.write(step, row)
         progress.result.last_metrics = row
         progress.window = LogWindow()  # the next line averages the steps after this one
-
-
-def _never() -> bool:
-    return False

@@ -211,7 +211,7 @@ def announce(
                 "top, use a new run.workdir with checkpoint.init_from="
                 f"{Path(config.run.workdir)}"
             )
-        if not callable(getattr(sources.train, "set_state", None)):
+        if not resumes_position(sources.train):
             writer.message(
                 "warning: the training data has no get_state/set_state, so it starts again from "
                 f"its first batch: step {start_step + 1} trains on what step 1 did; pass an "
@@ -262,9 +262,14 @@ def restore_or_init(
     step, (state, data_state) = checkpointer.restore_newest(
         lambda step: checkpointer.restore(step, target)
     )
-    if data_state is not None and callable(getattr(train_iter, "set_state", None)):
+    if data_state is not None and resumes_position(train_iter):
         train_iter.set_state(data_state)  # else it starts again; `announce` says so
     return state, step
+
+
+def resumes_position(iterator: Any) -> bool:
+    """Whether a checkpointed read position can be put back: a Grain iterator's `set_state`."""
+    return callable(getattr(iterator, "set_state", None))
 
 
 def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
