@@ -1,16 +1,13 @@
-"""The typed config schema: defaults live here; YAML files and `section.key=value` overrides only
-change them. Every user mistake becomes a one-line `ConfigError` that names the key and the fix."""
+"""The typed config schema: defaults live here; YAML files and `section.key=value` overrides
+(`trainer.config.reading`) only change them. Every user mistake becomes a one-line `ConfigError`
+that names the key and the fix (`trainer.config.validation`)."""
 
 from __future__ import annotations
 
-import difflib
 import math
-import types
 import typing
-from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-import pydantic
 import yaml
 from pydantic import (
     BaseModel,
@@ -22,7 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticKnownError
 
-from trainer.errors import ConfigError
+from trainer.config.validation import as_typed, set_dotted, validated
 
 
 class _Section(BaseModel):
@@ -268,7 +265,7 @@ class MeshConfig(_Section):
             axes = target if isinstance(target, list) else [target]
             if target is not None and not all(isinstance(axis, str) for axis in axes):
                 raise ValueError(
-                    f"mesh.rules.{name}={_as_typed(target)} is not a mesh axis; use an axis "
+                    f"mesh.rules.{name}={as_typed(target)} is not a mesh axis; use an axis "
                     "name, a list of them, or null (not sharded), e.g. mesh.rules={kv: tensor}"
                 )
         return value
@@ -437,8 +434,8 @@ class Config(_Section):
         """A copy with dotted `changes` (`{"mesh.stage": 1}`), validated as overrides are."""
         tree = self.model_dump(by_alias=True)
         for key, value in changes.items():
-            _set_dotted(tree, key, value)
-        return _validated(tree)
+            set_dotted(tree, key, value)
+        return validated(Config, tree)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict with the YAML spelling of every key (e.g. `checkpoint.async`)."""
@@ -446,221 +443,3 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- `section.key=value` overrides, validated as one tree."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        tree = _read_yaml(Path(path))
-    for override in overrides or []:
-        _apply_override(tree, override)
-    return config_from_dict(tree)
-
-
-def config_from_dict(tree: dict[str, Any]) -> Config:
-    """Validate a nested dict (e.g. a saved `config.yaml`) into a `Config`."""
-    from trainer.hf.config import fill_model_section
-
-    return _validated(fill_model_section(tree))  # init_from=hf:PATH: model.* from config.json
-
-
-def _validated(tree: dict[str, Any]) -> Config:
-    try:
-        return Config.model_validate(tree)
-    except pydantic.ValidationError as err:
-        raise ConfigError(_describe(err)) from None
-
-
-class _RepeatedKeyError(Exception):
-    """A YAML mapping that gives `key` twice: at line `line`, first at line `first`."""
-
-    def __init__(self, key: Any, line: int, first: int):
-        super().__init__(key, line, first)
-        self.key, self.line, self.first = key, line, first
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML whose mappings refuse a repeated key: PyYAML keeps the last one silently, so a second
-    `optim:` section dropped every key of the first. Merge keys (`<<: *base`) may still be
-    overridden."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        first_lines: dict[Any, int] = {}
-        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
-                continue
-            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
-            if key in first_lines:
-                raise _RepeatedKeyError(key, line, first_lines[key])
-            first_lines[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a folder; pass --config configs/<name>.yaml")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass --config configs/<name>.yaml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(
-            f"config file {path} is not text (not UTF-8); pass --config a YAML file such as "
-            "configs/demo.yaml"
-        ) from None
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path} ({err.strerror}); check it") from None
-    try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
-    except _RepeatedKeyError as err:
-        raise ConfigError(
-            f"config file {path} line {err.line} repeats the key {err.key} (first on line "
-            f"{err.first}), and YAML would keep only the last; give each key once (a section "
-            "once, holding all its keys)"
-        ) from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"config file {path}{where} is not valid YAML; fix the syntax") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(
-            f"config file {path} must hold a mapping of sections, e.g. `run: {{...}}`"
-        )
-    return tree
-
-
-def _apply_override(tree: dict[str, Any], override: str) -> None:
-    key, sep, raw = override.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {override!r} is not section.key=value; e.g. optim.lr=1e-3")
-    _set_dotted(tree, key, _override_value(key, raw))
-
-
-def _override_value(key: str, raw: str) -> Any:
-    """The YAML value of `raw`; for a text field (run.name, data.path) a number, bool or date
-    stays the text typed, so `run.name=0123` is the name "0123", not the octal number 83."""
-    if not raw.strip():
-        return None
-    try:
-        value = yaml.load(raw, Loader=_UniqueKeyLoader)
-    except _RepeatedKeyError as err:
-        raise ConfigError(f"override {key}={raw} repeats the key {err.key}; give it once") from None
-    except yaml.YAMLError:
-        raise ConfigError(
-            f"override {key}={raw} is not a valid YAML value; write lists as [a, b] and "
-            "mappings as {k: v}, and quote the whole override for the shell"
-        ) from None
-    scalar = not isinstance(value, str | list | dict | None)  # a number, bool or date YAML typed
-    return raw.strip() if scalar and _is_text_field(key.split(".")) else value
-
-
-def _is_text_field(parts: list[str]) -> bool:
-    """Whether the schema types the dotted key `parts` as text (`str` or `str | None`)."""
-    section = _section_at(tuple(parts))
-    field = _keyed_fields(section).get(parts[-1]) if section else None
-    return field is not None and field.annotation in (str, str | None)
-
-
-def _keyed_fields(section: type[BaseModel]) -> dict[str, Any]:
-    """A schema class's fields by the key a config spells (`async`, not `async_`)."""
-    return {field.alias or name: field for name, field in section.model_fields.items()}
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {part} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The schema class an annotation holds: `MixtureSource` in `list[MixtureSource] | None`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) in (list, Union):
-        for arg in typing.get_args(annotation):
-            found = _model_in(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _section_at(loc: tuple) -> type[BaseModel] | None:
-    """Schema class that owns the key at `loc` (None for free-form dict fields); list indices
-    (a `data.mixture` entry) stay in the list's item class."""
-    section: type[BaseModel] | None = Config
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = section.model_fields.get(str(part))
-        section = _model_in(getattr(field, "annotation", None))
-        if section is None:
-            return None
-    return section
-
-
-def _dotted(loc: tuple) -> str:
-    """`("data", "mixture", 0, "path")` as `data.mixture[0].path`."""
-    key = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for an error in a mapping's key, not its value
-            continue
-        name = part if part != "" else "''"  # an empty mapping key, e.g. `model.args: {"": 1}`
-        key += f"[{part}]" if isinstance(part, int) else f"{'.' if key else ''}{name}"
-    return key
-
-
-def _describe(err: pydantic.ValidationError) -> str:
-    """One line for the first problem: the dotted key, what is wrong, and the fix."""
-    first = err.errors()[0]
-    loc = tuple(first["loc"])
-    key = _dotted(loc)
-    if first["type"] == "extra_forbidden":
-        section = _section_at(loc)
-        valid = list(_keyed_fields(section)) if section else []
-        prefix = key[: -len(str(loc[-1]))]
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
-        if close:
-            hint = f"did you mean {prefix}{close[0]}?"
-        else:
-            hint = "valid keys: " + ", ".join(prefix + key for key in valid)
-        return f"unknown key {key}; {hint}"
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "value_error":  # our own validators already name their keys
-        return message
-    if first["type"] == "missing":
-        return f"{key} is required; add it to the config"
-    got = first.get("input")
-    if first["type"] == "model_type":  # pydantic names our class; the user wrote a section
-        got = _as_typed(got)
-        return f"{key}={got} is not a mapping of keys; write {key} as {{key: value, ...}}"
-    shown = "" if isinstance(got, dict) else f" (got {_as_typed(got)})"
-    fix = next((fix for kind, fix in _TYPE_FIXES.items() if first["type"].startswith(kind)), None)
-    return f"{key}: {message}{shown}" + (f"; {fix}" if fix else "")
-
-
-def _as_typed(value: Any) -> str:
-    """`value` as a config spells it: true, not Python's True (`yes` and `on` read as true)."""
-    return str(value).lower() if isinstance(value, bool) else repr(value)
-
-
-# The fix for a value of the wrong type, by pydantic error type prefix; the first match wins.
-_TYPE_FIXES = {
-    "bool_": "use true or false",
-    "int_": "use a whole number",
-    "float_": "use a number, e.g. 0.5 or 3e-4",
-    "finite_number": "use a finite number (.inf and .nan are not)",
-    "string_too_short": "give it a value, or leave the key out for its default",
-    "string_": "use text (quote it in YAML)",
-    "list_": "use a list, e.g. [a, b]",
-    "dict_": "use a mapping, e.g. {key: value}",
-    "tuple_": "use a list, e.g. [a, b]",
-}

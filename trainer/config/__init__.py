@@ -1,0 +1,30 @@
+"""The run config: the typed schema with its defaults (`schema`), read from a YAML file and
+`section.key=value` overrides (`reading`); a user mistake is one `ConfigError` line naming the
+key and the fix (`validation`)."""
+
+from trainer.config.reading import config_from_dict, load_config
+from trainer.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    MeshConfig,
+    MixtureSource,
+    ModelConfig,
+    OptimConfig,
+    PrecisionConfig,
+    RunConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "MeshConfig",
+    "MixtureSource",
+    "ModelConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "config_from_dict",
+    "load_config",
+]
