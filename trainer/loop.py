@@ -29,7 +29,7 @@ from trainer.observe.watchdog import Watchdog
 from trainer.parallel.state import TrainState
 from trainer.preemption import StopRequest
 from trainer.program import StepMetrics, TrainProgram
-from trainer.step import Batch
+from trainer.step import ROW_METRICS, Batch
 
 # Steps whose metrics may stay unread after a dispatch: the device runs them while the host
 # prepares the next one. A step's metrics are read once it has finished, or when more than this
@@ -68,23 +68,37 @@ class LogWindow:
     seconds: float = 0.0
     wait_s: float = 0.0
     tokens: float = 0.0  # what the loss averaged over: tokens without padding, or examples
+    aux: dict[str, list[float]] = field(default_factory=dict)  # loss_fn's other aux scalars
 
     def add(self, record: StepRecord, metrics: dict[str, float]) -> None:
         self.steps += 1
-        if np.isfinite(metrics["loss"]):
-            self.losses.append(metrics["loss"])
+        _add_finite(self.losses, metrics["loss"])
         self.seconds += record.seconds
         self.wait_s += record.wait_s
         self.tokens += metrics["tokens"]
+        for name, value in metrics.items():
+            if name not in ROW_METRICS:  # the step's own metrics are not the loss's aux
+                _add_finite(self.aux.setdefault(name, []), value)
 
     def means(self) -> dict[str, float]:
         seconds = max(self.seconds, 1e-12)
         return {
-            "loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
+            "loss": _finite_mean(self.losses),
             "tokens_per_s": self.tokens / seconds,
             "step_time_s": self.seconds / max(self.steps, 1),
             "data_wait_frac": min(self.wait_s / seconds, 1.0),
+            **{name: _finite_mean(values) for name, values in self.aux.items()},
         }
+
+
+def _add_finite(values: list[float], value: float) -> None:
+    """A window's mean skips non-finite steps (skipped ones, with optim.skip_nonfinite)."""
+    if np.isfinite(value):
+        values.append(value)
+
+
+def _finite_mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 @dataclass
@@ -229,10 +243,10 @@ class Loop:
                     # a stop decided at this step lets its eval finish; one during it ends it
                     stopped = (lambda: False) if stop.requested else stop.at_wait
                     with timing("eval"), watch("eval"):
-                        losses = self._eval_losses(state, stopped)
-                    if losses is not None:
-                        result.eval_loss = losses["eval_loss"]
-                        self.writer.write(step, losses)
+                        eval_row = self._eval_metrics(state, stopped)
+                    if eval_row is not None:
+                        result.eval_loss = eval_row["eval_loss"]
+                        self.writer.write(step, eval_row)
                     else:  # a stop came while it waited for eval data: this step is the last
                         self._write_unlogged_line(step, progress)
                         saving = True
@@ -291,33 +305,41 @@ class Loop:
             f"{self.checkpointer.directory / str(step)}; re-run the same command to resume"
         )
 
-    def _eval_losses(
+    def _eval_metrics(
         self, state: TrainState, stopped: Callable[[], bool]
     ) -> dict[str, float] | None:
-        """`eval_loss`; for a mixture also each source's `eval_loss_<name>`, and as `eval_loss`
-        the mixture's expected loss: the sources' losses weighted by their mixture weights.
-        None when `stopped()` turned true while waiting for eval data."""
+        """`eval_loss`, and `eval_<name>` for each of the loss's other aux scalars; for a
+        mixture also each source's `eval_loss_<source>` (`eval_<name>_<source>`), and as
+        `eval_loss` (`eval_<name>`) the mixture's expectation: the sources' values weighted by
+        their mixture weights. None when `stopped()` turned true while waiting for eval data."""
         if not self.sources.make_evals:
-            loss = self._eval_loss(self.sources.make_eval, state, stopped)
-            return None if loss is None else {"eval_loss": loss}
-        losses = {}
-        for name, (_, make) in self.sources.make_evals.items():
-            if (loss := self._eval_loss(make, state, stopped)) is None:
+            means = self._eval_means(self.sources.make_eval, state, stopped)
+            return None if means is None else {f"eval_{k}": v for k, v in means.items()}
+        by_source = {}
+        for source, (_, make) in self.sources.make_evals.items():
+            if (means := self._eval_means(make, state, stopped)) is None:
                 return None
-            losses[f"eval_loss_{name}"] = loss
-        weights = {name: weight for name, (weight, _) in self.sources.make_evals.items()}
-        mean = sum(losses[f"eval_loss_{n}"] * w for n, w in weights.items()) / sum(weights.values())
-        return {"eval_loss": mean, **losses}
+            by_source[source] = means
+        weights = {source: weight for source, (weight, _) in self.sources.make_evals.items()}
+        total = sum(weights.values())
+        row = {
+            f"eval_{k}": sum(by_source[s][k] * w for s, w in weights.items()) / total
+            for k in next(iter(by_source.values()))
+        }
+        for source, means in by_source.items():
+            row.update({f"eval_{k}_{source}": v for k, v in means.items()})
+        return row
 
-    def _eval_loss(
+    def _eval_means(
         self,
         make_eval: Callable[[], Iterable[Batch]],
         state: TrainState,
         stopped: Callable[[], bool],
-    ) -> float | None:
-        """Mean held-out loss (per token, or per the loss's `weight`) over `eval.steps` batches;
-        None when `stopped()` turned true while waiting for one."""
-        loss_sum, weight = 0.0, 0.0
+    ) -> dict[str, float] | None:
+        """Mean held-out `loss` (per token, or per the loss's `weight`) over `eval.steps`
+        batches, and its other aux scalars averaged the same way; None when `stopped()` turned
+        true while waiting for one."""
+        sums, weight = {}, 0.0
         feed = DeviceFeed(
             iter(make_eval()),
             self.program.batch_sharding,
@@ -333,14 +355,15 @@ class Loop:
                 if fetched is None:
                     return None
                 out = jax.device_get(self.program.eval_step(state, fetched[0]))
-                loss_sum += float(out["loss_sum"])
+                for name, value in {"loss": out["loss_sum"], **out["aux_sums"]}.items():
+                    sums[name] = sums.get(name, 0.0) + float(value)
                 weight += float(out["weight"])
         if weight == 0:
             raise ConfigError(
                 f"the eval data of {self.sources.description} yields no batch; lower "
                 "data.global_batch_size or data.seq_len, or pass more eval data"
             )
-        return loss_sum / weight
+        return {name: value / weight for name, value in sums.items()}
 
     def _read_finished(
         self, pending: deque[StepRecord], progress: Progress, keep: int, last: bool = False

@@ -6,7 +6,8 @@ A loss function has the signature `(model, batch) -> (loss, aux)` where `loss` i
 the batch's tokens/examples and `aux` is a dict of scalars. `aux["weight"]` is what the mean is
 over (tokens without padding; by default the batch's rows): microbatch accumulation and eval
 averaging weigh by it, so `optim.accum_steps=k` gives the same update as one full batch, and the
-token rate counts it.
+token rate counts it. Every other aux scalar is a metric under its own name, averaged the way the
+loss is (weighted by `weight`); eval logs it as `eval_<name>`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,33 @@ PyTree = Any
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+# The names of a metrics row's own entries (`train_step`, `trainer.loop`, `trainer.observe`):
+# an aux scalar of the same name would overwrite one of them, or be overwritten.
+ROW_METRICS = frozenset(
+    {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "params_finite",
+        "loss_scale",
+        "skipped",
+        "skipped_steps",
+        "tokens_per_s",
+        "step_time_s",
+        "data_wait_frac",
+        "tflops_per_device",
+        "mfu",
+        "corrupt_records_skipped",
+        "goodput",
+        "ckpt_block_s",
+    }
+)
+# ...and their families: `eval_loss[_<source>]`, `tokens_<source>`, `goodput_<bucket>_s`; an aux
+# `loss_<x>` would log as `eval_loss_<x>`, a mixture source's eval loss.
+ROW_METRIC_PREFIXES = ("eval_", "tokens_", "goodput_", "loss_")
 
 
 def next_token_loss(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -111,7 +139,7 @@ def train_step(
     offload, scaling = settings.offload, settings.scaling
     params = state.params if offload is None else offload.forward_params(state.params)
     loss_scale = None if scaling is None else state.loss_scale.scale
-    grads, loss_sum, weight_sum, model_state = _accumulate(
+    grads, loss_sum, weight_sum, aux_sums, model_state = _accumulate(
         settings, params, state.model_state, batch, loss_scale
     )
     if offload is not None:  # the rest comes in for the update, once the gradients exist
@@ -128,6 +156,7 @@ def train_step(
         "lr": jnp.asarray(settings.schedule(state.step), jnp.float32),
         "tokens": weight_sum,  # what the loss averaged over (no padding): the token rate
     }
+    metrics.update({name: aux_sum * per_item for name, aux_sum in aux_sums.items()})
     # One pass over the new parameters: a finite loss can still come with an update that
     # overflows them, and such a state must never reach a checkpoint.
     params_finite = _all_finite(params)
@@ -160,66 +189,82 @@ def train_step(
     return new_state if offload is None else offload.to_host(new_state), metrics
 
 
-def eval_step(settings: StepSettings, state: TrainState, batch: Batch) -> Metrics:
-    """Weighted loss sums, so an eval over several batches averages every token once."""
+def eval_step(settings: StepSettings, state: TrainState, batch: Batch) -> dict[str, Any]:
+    """Weighted loss (and aux) sums, so an eval over several batches averages every token
+    once."""
     if settings.offload is not None:
         state = settings.offload.to_device(state)  # parameters; the unused rest is never copied
     model = nnx.merge(settings.graphdef, state.params, state.model_state)
     model.eval()  # evaluation drops nothing (`deterministic` modules, e.g. model.dropout)
-    loss, weight = _call_loss(settings.loss_fn, model, batch)
-    return {"loss_sum": loss * weight, "weight": weight}
+    loss, weight, aux = _call_loss(settings.loss_fn, model, batch)
+    return {"loss_sum": loss * weight, "weight": weight, "aux_sums": _weighted(aux, weight)}
 
 
 def _accumulate(settings: StepSettings, params, model_state, batch: Batch, loss_scale):
-    """Gradient, loss and weight sums over `accum_steps` microbatches, and the model state."""
+    """Gradient, loss, weight and weighted aux sums over `accum_steps` microbatches, and the
+    model state."""
     if settings.accum_steps == 1:
-        grads, (loss, weight, model_state) = _weighted_grads(
+        grads, (loss, weight, aux, model_state) = _weighted_grads(
             settings, params, model_state, batch, loss_scale
         )
-        return grads, loss * weight, weight, model_state
+        return grads, loss * weight, weight, _weighted(aux, weight), model_state
 
     def micro(carry, microbatch):
         grad_sum, loss_sum, weight_sum, state = carry
-        grads, (loss, weight, state) = _weighted_grads(
+        grads, (loss, weight, aux, state) = _weighted_grads(
             settings, params, state, microbatch, loss_scale
         )
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-        return (grad_sum, loss_sum + loss * weight, weight_sum + weight, state), None
+        # stacked by the scan, not carried: the aux names are known once the loss is traced
+        aux_parts = _weighted(aux, weight)
+        return (grad_sum, loss_sum + loss * weight, weight_sum + weight, state), aux_parts
 
     offload = settings.offload
     zeros = jax.tree.map(jnp.zeros_like, params if offload is None else offload.widen(params))
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
     split = jax.tree.map(lambda x: microbatches(x, settings.accum_steps), batch)
-    (grads, loss_sum, weight_sum, model_state), _ = jax.lax.scan(micro, init, split)
-    return grads, loss_sum, weight_sum, model_state
+    (grads, loss_sum, weight_sum, model_state), aux_parts = jax.lax.scan(micro, init, split)
+    aux_sums = {name: jnp.sum(parts) for name, parts in aux_parts.items()}
+    return grads, loss_sum, weight_sum, aux_sums, model_state
+
+
+def _weighted(aux: Metrics, weight: jax.Array) -> Metrics:
+    """Each aux scalar times the weight its mean is over: sums that add up across batches."""
+    return {name: value * weight for name, value in aux.items()}
 
 
 def _weighted_grads(settings: StepSettings, params, model_state, batch: Batch, loss_scale):
     """Gradients of `loss * weight` (times the loss scale, when there is one)."""
     params = params if settings.offload is None else settings.offload.widen(params)
     grad_fn = jax.grad(_loss_and_state, has_aux=True)
-    grads, (loss, weight, model_state) = grad_fn(params, model_state, batch, loss_scale, settings)
+    grads, (loss, weight, aux, model_state) = grad_fn(
+        params, model_state, batch, loss_scale, settings
+    )
     if loss_scale is not None:
         grads = jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
-    return grads, (loss, weight, model_state)
+    return grads, (loss, weight, aux, model_state)
 
 
 def _loss_and_state(params, model_state, batch: Batch, loss_scale, settings: StepSettings):
-    """What the backward pass differentiates, and (loss, weight, new model state) beside it."""
+    """What the backward pass differentiates, and (loss, weight, aux, new model state) beside
+    it."""
     model = nnx.merge(settings.graphdef, params, model_state)
-    loss, weight = _call_loss(settings.loss_fn, model, batch)
+    loss, weight, aux = _call_loss(settings.loss_fn, model, batch)
     new_model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     if loss_scale is None:
-        return loss * weight, (loss, weight, new_model_state)
+        return loss * weight, (loss, weight, aux, new_model_state)
     # The mean loss is scaled, as fp16 practice has it (the sum would overflow sooner);
     # `_weighted_grads` multiplies by the weight after the backward pass, in fp32.
-    return loss * loss_scale, (loss, weight, new_model_state)
+    return loss * loss_scale, (loss, weight, aux, new_model_state)
 
 
-def _call_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """`loss_fn`'s mean loss and what it is a mean over: `aux["weight"]`, else the batch's rows
-    (examples). Its result is checked at trace time, where a wrong one would otherwise end in a
-    JAX error from inside the backward pass, or (an integer loss) in zero gradients."""
+def _call_loss(
+    loss_fn: LossFn, model: nnx.Module, batch: Batch
+) -> tuple[jax.Array, jax.Array, Metrics]:
+    """`loss_fn`'s mean loss, what it is a mean over (`aux["weight"]`, else the batch's rows:
+    examples) and its other aux scalars. Its result is checked at trace time, where a wrong one
+    would otherwise end in a JAX error from inside the backward pass, or (an integer loss) in
+    zero gradients."""
     result = loss_fn(model, batch)
     if not isinstance(result, tuple | list) or len(result) != 2:
         several = isinstance(result, tuple | list)
@@ -239,14 +284,55 @@ def _call_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Ar
             f"loss_fn returned a loss that is {_describe(loss)}; return one float scalar, the "
             "mean over the batch (e.g. nll.mean())"
         )
+    metrics = {name: _aux_metric(name, value) for name, value in aux.items() if name != "weight"}
     if "weight" not in aux:
-        return loss, jnp.float32(jax.tree.leaves(batch)[0].shape[0])
+        return loss, jnp.float32(jax.tree.leaves(batch)[0].shape[0]), metrics
     if jnp.ndim(aux["weight"]) != 0:
         raise ConfigError(
             f"loss_fn's aux['weight'] is {_describe(aux['weight'])}; return one scalar, the "
             "number of examples or tokens the loss is a mean over"
         )
-    return loss, jnp.asarray(aux["weight"], jnp.float32)
+    return loss, jnp.asarray(aux["weight"], jnp.float32), metrics
+
+
+def _aux_metric(name: Any, value: Any) -> jax.Array:
+    """An aux scalar as the float32 metric it is logged as, checked at trace time: one number,
+    under a name no metric of the trainer's own has."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"loss_fn's aux has the key {name!r}; name each aux scalar with a non-empty string: "
+            "it is logged under that name"
+        )
+    if (taken := _row_metric_named(name)) is not None:
+        raise ConfigError(
+            f"loss_fn's aux[{name!r}] has a name the trainer's own metrics use ({taken!r}); "
+            f"rename it in loss_fn's aux (e.g. 'aux_{name}')"
+        )
+    if not _is_real_scalar(value):
+        raise ConfigError(
+            f"loss_fn's aux[{name!r}] is {_describe(value)}; return one real number per aux "
+            "name (e.g. x.mean()): each is logged as a metric"
+        )
+    return jnp.asarray(value, jnp.float32)
+
+
+def _row_metric_named(name: str) -> str | None:
+    """The trainer's own metric (or family, `eval_*`) that `name` is, if any."""
+    if name in ROW_METRICS:
+        return name
+    return next((f"{prefix}*" for prefix in ROW_METRIC_PREFIXES if name.startswith(prefix)), None)
+
+
+def _is_real_scalar(value: Any) -> bool:
+    """One float, integer or bool: a Python number or a shape-() array."""
+    if isinstance(value, bool | int | float):
+        return True
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")) or tuple(value.shape) != ():
+        return False
+    dtype = value.dtype
+    return jnp.issubdtype(dtype, jnp.bool_) or (
+        jnp.issubdtype(dtype, jnp.number) and not jnp.issubdtype(dtype, jnp.complexfloating)
+    )
 
 
 def _describe(value: Any) -> str:

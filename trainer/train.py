@@ -60,8 +60,8 @@ def run(
 
     model: an `nnx.Module` (its current values are the initial state) or a factory
         `rngs -> nnx.Module`; default: `model.*` of the config, which alone gets `precision.*`.
-    loss_fn: `(model, batch) -> (mean loss, aux scalars)`; `aux["weight"]` = items averaged over
-        (default: next-token cross-entropy).
+    loss_fn: `(model, batch) -> (mean loss, aux scalars)`; `aux["weight"]` = items averaged over,
+        the other aux scalars are logged under their names (default: next-token cross-entropy).
     data: a Grain dataset or any iterable of numpy batch dicts, this host's rows (default: the
         prepared dataset of `data.*`); a Grain iterator's position is checkpointed.
     eval_data: re-iterable, or a callable returning a fresh iterable, for held-out loss.
