@@ -11,8 +11,10 @@ Batch contract: `inputs`, `targets`, `segment_ids`, `positions` int32 `[B, L]`, 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import threading
+from collections.abc import Callable
 
 import grain
 import numpy as np
@@ -47,10 +49,11 @@ class ReadRecords(grain.transforms.Map):
     (BENCHMARKS.md, "Measurements moved out of docstrings"), a numpy permutation per epoch
     nothing, and Grain has no per-epoch shift. Many records per Grain element keep Grain's
     per-element cost off the per-record path. Records `CheckedSource` could not read
-    (`data.skip_corrupt`) are dropped. With `epoch_shift` > 0 the first record of every epoch
-    starts a seeded `0..epoch_shift-1` pairs late (never past its last pair), so concat packing
-    cuts new windows each epoch; a pure function of the read number, so resuming re-reads the
-    same shifted record."""
+    (`data.skip_corrupt`) are dropped; `workers` (Grain worker processes, each taking every
+    `workers`-th read) bounds what one worker can reach (`worker_share`). With `epoch_shift` > 0
+    the first record of every epoch starts a seeded `0..epoch_shift-1` pairs late (never past its
+    last pair), so concat packing cuts new windows each epoch; a pure function of the read
+    number, so resuming re-reads the same shifted record."""
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class ReadRecords(grain.transforms.Map):
         per_read: int,
         epoch_shift: int = 0,
         name: str = "this split",
+        workers: int = 0,
     ):
         self.source = source
         self.decode = DecodeRecord(dtype)
@@ -74,8 +78,9 @@ class ReadRecords(grain.transforms.Map):
         self.epoch_shift = epoch_shift
         self.total = None if num_epochs is None else self.host_records * num_epochs
         self._orders: dict[int, np.ndarray] = {}  # the latest epochs' permutations
+        self.share = worker_share(self.host_records, per_read, workers, shuffle)
         self.unreadable = UnreadableRecords(
-            self.host_records, f"{name} (data stream {host_index} of {host_count})"
+            self.host_records, f"{name} (data stream {host_index} of {host_count})", self.share
         )
 
     @property
@@ -98,7 +103,9 @@ class ReadRecords(grain.transforms.Map):
         k = int(rng.integers(min(self.epoch_shift, pairs))) if pairs > 1 else 0
         return {name: value[k:] for name, value in record.items()}
 
-    def map(self, read: int) -> list[dict[str, np.ndarray]]:
+    def map(self, read: int) -> list[dict[str, np.ndarray]] | ShareUnreadable:
+        """Read `read`'s records, decoded; `ShareUnreadable` once every record this Grain worker
+        can reach is unreadable but another worker's is not (`EndOfShare` then ends its reads)."""
         start = read * self.per_read
         stop = start + self.per_read
         if self.total is not None:
@@ -116,29 +123,62 @@ class ReadRecords(grain.transforms.Map):
                 decoded[i] = self._shifted(decoded[i], int(epochs[i]))
         kept = [record for record in decoded if record is not None]
         if not kept:
-            self.unreadable.add(local)
+            if self.unreadable.add(local, self._any_readable):
+                return ShareUnreadable()
         elif not self.unreadable.readable:
             self.unreadable.readable = True
         return kept
+
+    def _any_readable(self, local: np.ndarray) -> bool:
+        """Whether any of this stream's records `local` (those outside a worker's unreadable
+        share) can be read, read `per_read` at a time up to the first that can."""
+        for start in range(0, len(local), self.per_read):
+            chunk = local[start : start + self.per_read]
+            records = self.source.read_many(self.host_index + chunk * self.host_count)
+            if any(record is not None for record in records):
+                return True
+        return False
+
+
+def worker_share(host_records: int, per_read: int, workers: int, shuffle: bool) -> int:
+    """How many of a stream's `host_records` one of `workers` Grain workers ever reads: worker
+    i takes reads i, i+W, ..., so unshuffled it meets reads starting at i*per_read plus multiples
+    of gcd(W*per_read, host_records) only; that leaves gaps when the step exceeds per_read (e.g.
+    W*per_read a multiple of host_records: the same records forever). Shuffled, a new order every
+    epoch brings every record to every worker."""
+    if shuffle or workers < 2 or not host_records:
+        return host_records
+    step = math.gcd(workers * per_read, host_records)
+    return host_records if per_read >= step else host_records // step * per_read
 
 
 class UnreadableRecords:
     """A stream's records found unreadable while none has been readable yet: with
     `data.skip_corrupt` a stream whose every record is unreadable would skip them forever, so
     that is a `DataError`. Only reads that return no record are looked at (a bit per record,
-    dropped at the first readable one), so a healthy stream pays one flag per read."""
+    dropped at the first readable one), so a healthy stream pays one flag per read.
 
-    def __init__(self, num_records: int, name: str):
+    A Grain worker that can reach only `share` of the `num_records` (`worker_share`) decides on
+    those: once all are unreadable it checks the rest once, and either ends its reads (another
+    worker reads the readable ones) or raises the same `DataError`."""
+
+    def __init__(self, num_records: int, name: str, share: int | None = None):
         self.num_records, self.name = num_records, name
+        self.share = num_records if share is None else share
         self.readable = False
+        self.share_unreadable = False  # every record this worker reaches is, others are not
         self._seen: np.ndarray | None = None  # one bit per record found unreadable
         self._count = 0
         self._lock = threading.Lock()  # read threads share this
 
-    def add(self, records: np.ndarray) -> None:
+    def add(self, records: np.ndarray, any_readable: Callable[[np.ndarray], bool]) -> bool:
+        """Note `records` (a read that returned none) as unreadable; True once this worker's
+        whole share is, while `any_readable(the other records)` says another worker has some."""
         if self.readable or not len(records):
-            return
+            return False
         with self._lock:
+            if self.share_unreadable:
+                return True
             if self._seen is None:
                 self._seen = np.zeros((self.num_records + 7) // 8, np.uint8)
             unique = np.unique(records)
@@ -146,12 +186,18 @@ class UnreadableRecords:
             fresh = (self._seen[byte] >> bit) & 1 == 0
             np.bitwise_or.at(self._seen, byte[fresh], np.left_shift(1, bit[fresh], dtype=np.uint8))
             self._count += int(fresh.sum())
-            if self._count == self.num_records:
+            if self._count < self.share:
+                return False
+            others = np.flatnonzero(np.unpackbits(self._seen, bitorder="little") == 0)
+            others = others[others < self.num_records]
+            if not len(others) or not any_readable(others):
                 raise DataError(
                     f"none of the {self.num_records} records of {self.name} is readable: "
                     "data.skip_corrupt=true skipped every one, so there is nothing to read; "
                     "restore the shards or re-run python -m input_pipeline.prepare --overwrite"
                 )
+            self.share_unreadable = True
+            return True
 
     def __getstate__(self) -> dict:  # worker processes keep their own count
         return {**self.__dict__, "_lock": None}
@@ -178,6 +224,39 @@ def padded_batches(rows: grain.IterDataset, batch_size: int) -> grain.IterDatase
     zero-weight rows, so every eval token counts once and the step keeps its compiled shape."""
     pad = functools.partial(grain.experimental.batch_and_pad, batch_size=batch_size)
     return rows.batch(batch_size, batch_fn=pad).map(to_batch_contract)
+
+
+class ShareUnreadable:
+    """What `ReadRecords.map` returns once every record its Grain worker can reach is unreadable
+    and another worker's is not. Not None: Grain drops None elements and reads on."""
+
+
+class EndOfShare(grain.IterDataset):
+    """A Grain worker's reads, ended at the first `ShareUnreadable`: the workers' interleave then
+    goes on with the other workers instead of waiting forever on this one. Its state is its
+    parent's."""
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return EndOfShareIterator(self._parent.__iter__())
+
+    def __str__(self) -> str:
+        return "EndOfShare"
+
+
+class EndOfShareIterator(grain.DatasetIterator):
+    """`EndOfShare`'s iterator: one type check per read."""
+
+    def __next__(self) -> list[dict[str, np.ndarray]]:
+        element = next(self._parent)
+        if isinstance(element, ShareUnreadable):
+            raise StopIteration
+        return element
+
+    def get_state(self) -> dict:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state)
 
 
 class SplitToLength(grain.experimental.FlatMapTransform):
@@ -253,6 +332,7 @@ def arrayrecord_pairs(
         per_read=min(MAX_READ_RECORDS, max(1, round(READ_TOKENS / max(1.0, mean_tokens)))),
         epoch_shift=epoch_shift,
         name=f"{info.path} {split} split",
+        workers=reading.workers,
     )
     if reads.host_records == 0 and reading.num_epochs is None:  # a finite pass may be empty
         raise DataError(
@@ -264,7 +344,9 @@ def arrayrecord_pairs(
     # already holds many batches.
     threads = reading.read_threads
     options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=threads)
-    return grain.MapDataset.range(reads.num_reads).map(reads).to_iter_dataset(options)
+    pairs = grain.MapDataset.range(reads.num_reads).map(reads).to_iter_dataset(options)
+    # Only where a worker's share can leave out records, a worker may have to stop early.
+    return EndOfShare(pairs) if reads.share < reads.host_records else pairs
 
 
 def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.IterDataset:

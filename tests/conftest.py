@@ -119,3 +119,22 @@ def take(iterator, n):
 def same(a, b):
     """Two batch dicts with equal arrays under every key."""
     return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def garble_records(shard: Path) -> None:
+    """Flip the bytes of an ArrayRecord `shard`'s records but keep its index readable: every
+    record of it then fails to read while the shard still opens."""
+    import grain
+
+    data = shard.read_bytes()
+    end = data.rstrip(b"\0").find(b"\0" * 64)  # the records and index; then block padding
+    for stop in range(end, 64, -100):
+        garbled = bytearray(data)
+        garbled[64:stop] = bytes(b ^ 0x5A for b in garbled[64:stop])
+        shard.write_bytes(bytes(garbled))
+        try:
+            grain.sources.ArrayRecordDataSource([str(shard)])
+            return
+        except RuntimeError:
+            continue
+    raise AssertionError(f"could not garble {shard} and keep its index readable")

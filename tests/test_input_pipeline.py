@@ -380,22 +380,12 @@ def unreadable_records_copy(dataset, tmp_path):
     bytes garbled from its header up to as close to its index as still opens."""
     import shutil
 
-    import grain
+    from conftest import garble_records
 
     copy = tmp_path / "unreadable_records"
     shutil.copytree(dataset.path, copy)
     for shard in copy.glob("train-*"):
-        data = shard.read_bytes()
-        end = data.rstrip(b"\0").find(b"\0" * 64)  # the records and index; then block padding
-        for stop in range(end, 64, -100):
-            garbled = bytearray(data)
-            garbled[64:stop] = bytes(b ^ 0x5A for b in garbled[64:stop])
-            shard.write_bytes(bytes(garbled))
-            try:
-                grain.sources.ArrayRecordDataSource([str(shard)])
-                break
-            except RuntimeError:
-                continue
+        garble_records(shard)
     return load_dataset_info(copy)
 
 
