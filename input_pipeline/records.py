@@ -114,7 +114,7 @@ class CheckedSource:
     (a whole shard when even its index is unreadable); the pipeline filters those out. Custom:
     Grain's `ArrayRecordDataSource` neither names a damaged shard nor skips damaged records.
 
-    Each skipped record is listed once in `skip_log` (`SkipLog`), and `count_skipped` turns
+    Each skipped record is listed once in `skip_log` (`SkipLog`), and `SkippedCount` turns
     that file into the number the metrics show."""
 
     def __init__(
@@ -203,10 +203,10 @@ class CheckedSource:
 
 class SkipLog:
     """A reader's list of the records `data.skip_corrupt` skipped, appended to `path` as JSON
-    lines for `count_skipped`. Each record is written once per reader, not once per epoch, so the
-    file (re-read at every metrics line) stays as small as the damage; each shard's first skip is
-    also said on stderr, since the metrics' count alone is easy to miss. Reader threads share one;
-    a Grain worker process gets its own copy (its duplicates are harmless: the count dedups)."""
+    lines for `SkippedCount`. Each record is written once per reader, not once per epoch, so the
+    file stays as small as the damage; each shard's first skip is also said on stderr, since the
+    metrics' count alone is easy to miss. Reader threads share one; a Grain worker process gets
+    its own copy (its duplicates are harmless: the count dedups)."""
 
     def __init__(self, path: str | Path | None):
         self.path = None if path is None else str(path)
@@ -257,14 +257,36 @@ def append_line(path: str, line: str) -> None:
         os.close(fd)
 
 
-def count_skipped(skip_log: Path) -> int:
-    """Distinct records the readers skipped: each reader lists a record once, but Grain worker
-    processes and data streams each read (and list) the same bad records again."""
-    try:
-        lines = Path(skip_log).read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return len({line for line in lines if line.endswith("}")})
+class SkippedCount:
+    """Distinct records listed in a skip log so far, as a callable the metrics call at every
+    line: each call reads only what was appended since the last (remembering the byte offset and
+    the lines seen), so a long run does not re-read the whole log each time. Distinct, because
+    Grain worker processes and data streams each read (and list) the same bad records again; a
+    last line not yet ended by its newline is left for the next call."""
+
+    def __init__(self, skip_log: str | Path):
+        self.path = Path(skip_log)
+        self._offset = 0  # bytes of whole lines read so far
+        self._lines: set[bytes] = set()
+
+    def __call__(self) -> int:
+        try:
+            with self.path.open("rb") as log:
+                if os.fstat(log.fileno()).st_size < self._offset:  # replaced: count it afresh
+                    self._offset, self._lines = 0, set()
+                log.seek(self._offset)
+                appended = log.read()
+        except FileNotFoundError:
+            return len(self._lines)
+        whole = appended.rfind(b"\n") + 1  # through the last complete line
+        self._lines.update(line for line in appended[:whole].splitlines() if line.endswith(b"}"))
+        self._offset += whole
+        return len(self._lines)
+
+
+def count_skipped(skip_log: str | Path) -> int:
+    """Distinct records listed in `skip_log` (read once; `SkippedCount` for repeated counts)."""
+    return SkippedCount(skip_log)()
 
 
 class MemorySource:

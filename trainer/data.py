@@ -30,7 +30,7 @@ from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
 from input_pipeline.packing import blank_batch
 from input_pipeline.pipeline import make_batch_iterator, memory_source
 from input_pipeline.reading import Reading
-from input_pipeline.records import MemorySource, available_memory, count_skipped, memory_needed
+from input_pipeline.records import MemorySource, SkippedCount, available_memory, memory_needed
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
 from trainer.config import DataConfig, MixtureSource
@@ -51,7 +51,7 @@ class DataSources:
     description: str
     fingerprint: str
     vocab_size: int | None = None
-    skipped_records: Callable[[], int] | None = None  # unreadable records dropped so far
+    skipped_records: Callable[[], int] | None = None  # records dropped so far (SkippedCount)
     # a mixture: each source's weight and eval data (`eval_loss_<name>`), and its tokens so far
     # from the data position of a step (`tokens_<name>`)
     make_evals: dict[str, tuple[float, Callable[[], Iterable[dict[str, Any]]]]] | None = None
@@ -156,7 +156,7 @@ def dataset_sources(
         description=description,
         fingerprint=fingerprint,
         vocab_size=first.vocab_size,
-        skipped_records=None if skip_log is None else lambda: count_skipped(skip_log),
+        skipped_records=None if skip_log is None else SkippedCount(skip_log),
         make_evals=evals if mixture else None,
         source_tokens=tokens_by_source if mixture else None,
         feeders=feeders[1],
