@@ -83,6 +83,21 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def damaged(corpus, tmp_path):
+    """A copy of the shared corpus with bytes of one train shard flipped."""
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(corpus, copy)
+    shard = sorted(copy.glob("train-00000-*"))[0]
+    data = bytearray(shard.read_bytes())
+    for i in range(200, len(data) // 2):
+        data[i] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    return copy, shard
+
+
 def tiny_run(corpus, workdir, steps=4):
     """The TINY model trained on `corpus` in `workdir` for `steps`: a checkpoint every 2 steps,
     no eval before the last step, no TensorBoard."""

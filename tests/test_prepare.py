@@ -3,7 +3,6 @@ parquet and jsonl give the same tokens, SentencePiece is trained (or reused) and
 data, shards are verified against their checksums, and skipped corrupt records are counted."""
 
 import json
-import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -111,19 +110,6 @@ def test_bad_tokenizer_choices_name_the_fix(tmp_path, tokenizer, vocab, message)
             texts(20), tmp_path / "out", tokenizer=tokenizer, vocab_size=vocab, progress=False
         )
     assert list(tmp_path.iterdir()) == []  # nothing half-written is left behind
-
-
-@pytest.fixture
-def damaged(corpus, tmp_path):
-    """A copy of the shared corpus with bytes of one train shard flipped."""
-    copy = tmp_path / "damaged"
-    shutil.copytree(corpus, copy)
-    shard = sorted(copy.glob("train-00000-*"))[0]
-    data = bytearray(shard.read_bytes())
-    for i in range(200, len(data) // 2):
-        data[i] ^= 0x5A
-    shard.write_bytes(bytes(data))
-    return copy, shard
 
 
 def test_checksum_mismatch_is_caught_when_a_run_loads_the_data(damaged):

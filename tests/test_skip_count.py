@@ -3,7 +3,6 @@ log since its last call (it was re-read whole at every metrics line), and counts
 once its newline is written."""
 
 import json
-import shutil
 
 from conftest import take
 
@@ -71,18 +70,12 @@ def test_a_log_replaced_by_a_shorter_one_is_counted_afresh(tmp_path):
     assert count() == 1
 
 
-def test_the_run_counts_the_skipped_records_of_its_data(corpus, tmp_path):
+def test_the_run_counts_the_skipped_records_of_its_data(damaged, tmp_path):
     """What `trainer.data` hands the metrics: the records its readers skipped, distinct."""
     from trainer.config import load_config
     from trainer.data import dataset_sources
 
-    copy = tmp_path / "damaged"
-    shutil.copytree(corpus, copy)
-    shard = sorted(copy.glob("train-00000-*"))[0]
-    data = bytearray(shard.read_bytes())
-    for i in range(200, len(data) // 2):
-        data[i] ^= 0x5A
-    shard.write_bytes(bytes(data))
+    copy, _ = damaged
     overrides = [f"data.path={copy}", "data.skip_corrupt=true", "data.verify_checksums=false"]
     config = load_config(None, [*overrides, "data.seq_len=64", "data.global_batch_size=8"])
     log = tmp_path / "skipped_records.0.jsonl"
