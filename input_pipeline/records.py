@@ -3,6 +3,7 @@ of a long document's) tokens as raw little-endian integers of the dataset's toke
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -262,26 +263,50 @@ class SkippedCount:
     line: each call reads only what was appended since the last (remembering the byte offset and
     the lines seen), so a long run does not re-read the whole log each time. Distinct, because
     Grain worker processes and data streams each read (and list) the same bad records again; a
-    last line not yet ended by its newline is left for the next call."""
+    last line not yet ended by its newline is left for the next call. A log named
+    `<name>.<process>.jsonl` counts with the other processes' logs beside it (`process_logs`):
+    process 0 writes the metrics, and the run's count is every process's records."""
 
     def __init__(self, skip_log: str | Path):
         self.path = Path(skip_log)
-        self._offset = 0  # bytes of whole lines read so far
+        self._offsets: dict[Path, int] = {}  # bytes of whole lines read so far, per log
         self._lines: set[bytes] = set()
 
     def __call__(self) -> int:
+        for path in process_logs(self.path):
+            if not self._read_appended(path):  # one was replaced: count them all afresh
+                self._offsets, self._lines = {}, set()
+                for again in process_logs(self.path):
+                    self._read_appended(again)
+                break
+        return len(self._lines)
+
+    def _read_appended(self, path: Path) -> bool:
+        """Add the whole lines appended to `path` since the last read; False if it shrank."""
+        offset = self._offsets.get(path, 0)
         try:
-            with self.path.open("rb") as log:
-                if os.fstat(log.fileno()).st_size < self._offset:  # replaced: count it afresh
-                    self._offset, self._lines = 0, set()
-                log.seek(self._offset)
+            with path.open("rb") as log:
+                if os.fstat(log.fileno()).st_size < offset:
+                    return False
+                log.seek(offset)
                 appended = log.read()
         except FileNotFoundError:
-            return len(self._lines)
+            return True
         whole = appended.rfind(b"\n") + 1  # through the last complete line
         self._lines.update(line for line in appended[:whole].splitlines() if line.endswith(b"}"))
-        self._offset += whole
-        return len(self._lines)
+        self._offsets[path] = offset + whole
+        return True
+
+
+def process_logs(skip_log: Path) -> list[Path]:
+    """`skip_log`, and where it is `<name>.<process>.jsonl` (`trainer.data.skip_log_path`) every
+    process's `<name>.<n>.jsonl` in its folder: a multi-process run's workdir is shared."""
+    name, _, process = skip_log.name.removesuffix(".jsonl").rpartition(".")
+    if not (name and process.isdigit() and skip_log.name.endswith(".jsonl")):
+        return [skip_log]
+    others = skip_log.parent.glob(f"{glob.escape(name)}.*.jsonl")
+    logs = {p for p in others if p.name.removesuffix(".jsonl").rpartition(".")[2].isdigit()}
+    return sorted(logs | {skip_log})
 
 
 def count_skipped(skip_log: str | Path) -> int:

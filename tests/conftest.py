@@ -153,3 +153,25 @@ def garble_records(shard: Path) -> None:
         except RuntimeError:
             continue
     raise AssertionError(f"could not garble {shard} and keep its index readable")
+
+
+FOUR_RECORD_TOKENS = 2**19
+
+
+@pytest.fixture(scope="session")
+def four_records(tmp_path_factory) -> Path:
+    """4 train records of 2^19 byte tokens in 2 shards (records 0-1 and 2-3), no eval split."""
+    from input_pipeline.prepare import prepare_dataset
+
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghij klmnopqrst\nuvwxyz", np.uint8)
+    text = rng.choice(letters, 4 * FOUR_RECORD_TOKENS).tobytes().decode()
+    out = tmp_path_factory.mktemp("data") / "four-records"
+    return prepare_dataset(
+        [text],
+        out,
+        eval_fraction=0,
+        num_shards=2,
+        max_record_tokens=FOUR_RECORD_TOKENS,
+        progress=False,
+    )

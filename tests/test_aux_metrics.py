@@ -215,11 +215,12 @@ def lm_loss_with_aux(model, batch):
     return loss, {**aux, "nll": loss}
 
 
-def test_a_mixture_logs_each_sources_eval_aux_and_their_mix(corpus, tmp_path):
+def mixture_config(corpus, tmp_path):
+    """A 1-step run of two sources, `code` (the corpus) and `prose`, evaluated at its step."""
     prose = prepare_dataset(
         documents(40, seed=7), tmp_path / "prose", eval_fraction=0.2, progress=False
     )
-    config = trainer.load_config(
+    return trainer.load_config(
         None,
         [
             *TINY,
@@ -232,8 +233,29 @@ def test_a_mixture_logs_each_sources_eval_aux_and_their_mix(corpus, tmp_path):
             "log.tensorboard=false",
         ],
     )
-    trainer.run(config, loss_fn=lm_loss_with_aux)
+
+
+def test_a_mixture_logs_each_sources_eval_aux_and_their_mix(corpus, tmp_path):
+    trainer.run(mixture_config(corpus, tmp_path), loss_fn=lm_loss_with_aux)
     (row,) = [r for r in rows_of(tmp_path / "run") if "eval_loss" in r]
     for suffix in ("", "_code", "_prose"):
         assert row[f"eval_nll{suffix}"] == pytest.approx(row[f"eval_loss{suffix}"], rel=1e-6)
     assert not math.isclose(row["eval_nll_code"], row["eval_nll_prose"])
+
+
+def colliding_aux_loss(model, batch):
+    """`nll` on source `code` and the aux `nll_code` are both `eval_nll_code` in eval."""
+    loss, aux = next_token_loss(model, batch)
+    return loss, {**aux, "nll": loss, "nll_code": jnp.float32(7.0)}
+
+
+def test_an_aux_named_like_another_aux_on_a_source_is_one_line(corpus, tmp_path):
+    """Before: eval_nll_code held source code's nll and the aux nll_code's 7.0 was dropped."""
+    with pytest.raises(trainer.ConfigError) as error:
+        trainer.run(mixture_config(corpus, tmp_path), loss_fn=colliding_aux_loss)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "loss_fn's aux 'nll' on mixture source 'code' and aux 'nll_code' would both log in "
+        "eval as 'eval_nll_code'; rename"
+    )

@@ -14,32 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import garble_records
+from conftest import FOUR_RECORD_TOKENS, garble_records
 
 from input_pipeline.pipeline import READ_TOKENS, worker_share
-from input_pipeline.prepare import prepare_dataset
 
-RECORD_TOKENS = 2**19
 RUN_TIMEOUT_S = 240  # a healthy run takes seconds; the hang it guards against never ends
-
-
-@pytest.fixture(scope="module")
-def four_records(tmp_path_factory) -> Path:
-    """4 train records of 2^19 byte tokens in 2 shards (records 0-1 and 2-3), no eval split."""
-    rng = np.random.default_rng(0)
-    letters = np.frombuffer(b"abcdefghij klmnopqrst\nuvwxyz", np.uint8)
-    text = rng.choice(letters, 4 * RECORD_TOKENS).tobytes().decode()
-    out = tmp_path_factory.mktemp("data") / "four-records"
-    return prepare_dataset(
-        [text],
-        out,
-        eval_fraction=0,
-        num_shards=2,
-        max_record_tokens=RECORD_TOKENS,
-        progress=False,
-    )
 
 
 def damaged_copy(dataset: Path, folder: Path, shards: list[int]) -> Path:
@@ -87,7 +67,7 @@ def train(data: Path, workdir: Path, workers: int, repo_root: Path) -> tuple[int
 
 def test_this_layout_gives_each_worker_a_fixed_half(four_records):
     """The premise of the tests below: 2 records per read, each of 2 workers reaching 2 of 4."""
-    per_read = round(READ_TOKENS / RECORD_TOKENS)
+    per_read = round(READ_TOKENS / FOUR_RECORD_TOKENS)
     assert per_read == 2 and worker_share(4, per_read, 2, shuffle=False) == 2
     assert worker_share(4, per_read, 2, shuffle=True) == worker_share(4, per_read, 0, False) == 4
 

@@ -91,6 +91,22 @@ class LogWindow:
         }
 
 
+def check_mixture_eval_names(names: list[str], sources: list[str]) -> None:
+    """A mixture's eval logs `eval_<name>` and `eval_<name>_<source>`: an aux `acc_code` beside
+    an aux `acc` and a source `code` would both be `eval_acc_code`, one value silently lost."""
+    meanings: dict[str, str] = {}
+    for name in names:
+        meanings[f"eval_{name}"] = f"aux {name!r}"
+    for name in names:
+        for source in sources:
+            key, meaning = f"eval_{name}_{source}", f"aux {name!r} on mixture source {source!r}"
+            if (other := meanings.setdefault(key, meaning)) != meaning:
+                raise ConfigError(
+                    f"loss_fn's {meaning} and {other} would both log in eval as {key!r}; "
+                    "rename one of the two aux in loss_fn (or the source: data.mixture[].name)"
+                )
+
+
 def _add_finite(values: list[float], value: float) -> None:
     """A window's mean skips non-finite steps (skipped ones, with optim.skip_nonfinite)."""
     if np.isfinite(value):
@@ -322,9 +338,10 @@ class Loop:
             by_source[source] = means
         weights = {source: weight for source, (weight, _) in self.sources.make_evals.items()}
         total = sum(weights.values())
+        names = list(next(iter(by_source.values())))
+        check_mixture_eval_names(names, list(by_source))
         row = {
-            f"eval_{k}": sum(by_source[s][k] * w for s, w in weights.items()) / total
-            for k in next(iter(by_source.values()))
+            f"eval_{k}": sum(by_source[s][k] * w for s, w in weights.items()) / total for k in names
         }
         for source, means in by_source.items():
             row.update({f"eval_{k}_{source}": v for k, v in means.items()})
