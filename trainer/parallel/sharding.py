@@ -130,6 +130,54 @@ def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> Partiti
     return PartitionSpec(*out)
 
 
+def indivisible_axis(
+    shape: Sequence[int],
+    logical: PartitionSpec,
+    resolved: PartitionSpec,
+    mesh_sizes: Mapping[str, int],
+) -> str | None:
+    """The first dimension of `shape` that its mesh axes (`resolved`, from the `logical` names)
+    do not split evenly, said as the problem and its fixes; None when all divide. JAX would
+    refuse it later, in a traceback that names no parameter."""
+    for size, names, axes in zip(shape, logical, resolved, strict=False):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        count = math.prod(mesh_sizes[axis] for axis in axes)
+        if size % count == 0:
+            continue
+        names = tuple(n for n in (names if isinstance(names, tuple) else (names,)) if n)
+        return (
+            f"its {'+'.join(repr(n) for n in names)} axis ({size}) does not split over "
+            f"{_over(axes, mesh_sizes)}; {_divisor_fix(axes, size)}, or {_rule_fix(names)}"
+        )
+    return None
+
+
+def _over(axes: tuple[str, ...], mesh_sizes: Mapping[str, int]) -> str:
+    """`mesh.tensor=2`, or for several axes their product and each size."""
+    product = "*".join(f"mesh.{axis}" for axis in axes)
+    each = ", ".join(f"mesh.{axis}={mesh_sizes[axis]}" for axis in axes)
+    total = math.prod(mesh_sizes[axis] for axis in axes)
+    return f"{product}={total}" if len(axes) == 1 else f"{product}={total} ({each})"
+
+
+def _divisor_fix(axes: tuple[str, ...], size: int) -> str:
+    if len(axes) == 1:
+        return f"use a mesh.{axes[0]} that divides {size}"
+    named = ", ".join(f"mesh.{axis}" for axis in axes[:-1]) + f" and mesh.{axes[-1]}"
+    return f"use {named} whose product divides {size}"
+
+
+def _rule_fix(names: tuple[str, ...]) -> str:
+    """Unshard the dimension through its rule; a mesh axis the model names itself has none."""
+    ruled = [name for name in names if name not in MESH_AXES]
+    if not ruled:
+        return (
+            "name that axis in the model with a logical name mesh.rules maps (not the mesh axis "
+            "itself)"
+        )
+    return f"map {' and '.join(ruled)} to null ({', '.join(f'mesh.rules.{n}=null' for n in ruled)})"
+
+
 def rows_like_the_batch(x: jax.Array, axes: tuple[str, ...] = BATCH_AXES) -> jax.Array:
     """Keep an activation's rows split over the batch `axes` as the batch is, its other axes
     whole (the last one as GSPMD likes: logits over vocab shards). Left alone, GSPMD may follow

@@ -75,11 +75,16 @@ def abstract_model(
     to_mesh = lambda spec: NamedSharding(mesh, sharding.logical_to_mesh(spec, rules))  # noqa: E731
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     rest_specs = _logical_specs(rest)
+    param_shardings = jax.tree.map(to_mesh, param_specs, is_leaf=is_spec)
+    model_state_shardings = jax.tree.map(to_mesh, rest_specs, is_leaf=is_spec)
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    check_divisible("parameter", params, param_specs, param_shardings)
+    check_divisible("model state", rest, rest_specs, model_state_shardings)
     skeleton = ModelSkeleton(
         graphdef=graphdef,
         param_specs=param_specs,
-        param_shardings=jax.tree.map(to_mesh, param_specs, is_leaf=is_spec),
-        model_state_shardings=jax.tree.map(to_mesh, rest_specs, is_leaf=is_spec),
+        param_shardings=param_shardings,
+        model_state_shardings=model_state_shardings,
         logical_axes=frozenset(
             name
             for spec in jax.tree.leaves((param_specs, rest_specs), is_leaf=is_spec)
@@ -88,7 +93,22 @@ def abstract_model(
             if name is not None
         ),
     )
-    return skeleton, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    return skeleton, params, rest
+
+
+def check_divisible(kind: str, shapes: PyTree, logical_specs: PyTree, shardings: PyTree) -> None:
+    """Every dimension splits evenly over its mesh axes, checked once at setup: otherwise the
+    sharded init stops in a JAX traceback. The optimizer state and the offloaded copies follow
+    these shardings, so this covers them too."""
+
+    def check(path, logical: PartitionSpec, named: NamedSharding, shape) -> None:
+        problem = sharding.indivisible_axis(shape.shape, logical, named.spec, named.mesh.shape)
+        if problem is not None:
+            where = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ConfigError(f"{kind} {where} {tuple(shape.shape)}: {problem}")
+
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    jax.tree_util.tree_map_with_path(check, logical_specs, shardings, shapes, is_leaf=is_spec)
 
 
 def state_shardings(
