@@ -1,14 +1,23 @@
 """Start-up of Grain's worker processes (`data.workers > 0`): a worker reads and packs batches on
 the host, so it must never start an accelerator backend. One that did would hold device memory the
-trainer needs (on an H200, `data.workers=4` ran out of memory at the first step). It also ignores
-SIGINT: a terminal's Ctrl-C reaches every process of the group, and the trainer, which turns it
-into a clean stop, ends its workers itself (each printed a KeyboardInterrupt traceback)."""
+trainer needs (on an H200, `data.workers=4` ran out of memory at the first step).
+
+A worker's life is the trainer's to end: Grain's iterator stops its workers when the trainer
+exits, and unlinks the shared memory of the batches they made. So a worker ignores SIGINT and
+SIGTERM, which a terminal's Ctrl-C and a scheduler's preemption (Slurm signals every process of
+the job) send it along with the trainer: each printed a KeyboardInterrupt traceback, and a worker
+killed by SIGTERM left its in-flight batches to Python's resource tracker, which warned of
+"leaked shared_memory objects" in the job's log. It ends itself when the trainer dies without
+stopping it (the watchdog's exit, an out-of-memory kill): it lived on, holding its batches in
+/dev/shm, until a scheduler's SIGKILL left them there for good."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 
 # GPU runtimes' device lists, read when a library in the worker (TensorFlow for data.reader=tfdata)
 # starts CUDA or ROCm: empty means no device. JAX itself, on any accelerator, obeys jax_platforms.
@@ -23,10 +32,26 @@ def host_only_worker(worker_index: int = 0, worker_count: int = 1) -> None:
     No backend exists yet at that point (tests/test_grain_workers.py), and JAX starts only the
     platforms `jax_platforms` names."""
     del worker_index, worker_count  # Grain passes them; every worker is set up the same way
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    exit_with_parent()
     os.environ["JAX_PLATFORMS"] = "cpu"
     for name in HIDDEN_DEVICES:
         os.environ[name] = ""
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.config.update("jax_platforms", "cpu")
+
+
+def exit_with_parent() -> None:
+    """End this worker process as soon as the process that started it is gone. Its batches'
+    shared memory is then unlinked by the resource tracker, which outlives them both."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a multiprocessing child: nothing to outlive
+        return
+
+    def wait_for_parent() -> None:
+        parent.join()  # its sentinel pipe closes when it exits, however it exits
+        os._exit(1)
+
+    threading.Thread(target=wait_for_parent, name="exit-with-parent", daemon=True).start()

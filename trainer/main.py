@@ -14,7 +14,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from input_pipeline.errors import DataError  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from trainer.config import Config, load_config  # noqa: E402
 from trainer.errors import ConfigError, TrainingError  # noqa: E402
 
 USAGE_EXIT = 2
@@ -39,15 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        from trainer.parallel.distributed import maybe_initialize
-
-        maybe_initialize()  # before any other JAX call (and before importing the trainer)
-        from absl import flags
-
-        flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read absl flags
-        from trainer.train import run  # heavy imports only when training
-
-        result = run(config)
+        summary = train(config)
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
@@ -57,20 +49,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out_of_memory(err)}", file=sys.stderr)
         return USAGE_EXIT
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
-        # Raised inside Orbax's save task, the interrupt would be logged again, with its
-        # traceback, when asyncio collects that task at exit.
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+        quiet_asyncio()
         print(
             "interrupted without saving; re-run the same command to resume from the latest "
             "checkpoint",
             file=sys.stderr,
         )
         return INTERRUPTED_EXIT
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def train(config: Config) -> str:
+    """Run `config`; the run's last line: where it finished, or where a SIGTERM outside the step
+    loop stopped it (exit 0, as a stop in the loop)."""
+    from trainer.parallel.distributed import cluster_from_env, maybe_initialize
+    from trainer.preemption import OutsideLoop, Stopped  # heavy imports only when training
+
+    try:
+        with OutsideLoop(single_process=cluster_from_env() is None):
+            maybe_initialize()  # before any other JAX call (and before importing the trainer)
+            from absl import flags
+
+            flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read them
+            from trainer.train import run
+
+            result = run(config)
+    except Stopped as stop:
+        quiet_asyncio()
+        return stop.line()
     summary = f"finished at step {result.step}"
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
-    print(summary, file=sys.stderr)
-    return 0
+    return summary
+
+
+def quiet_asyncio() -> None:
+    """An interrupt raised inside Orbax's save or restore task would be logged again, with its
+    traceback, when asyncio collects that task at exit."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
 
 
 def out_of_memory(err: RuntimeError) -> str:

@@ -6,6 +6,11 @@ With several processes, every one must stop after the same step: a host that alo
 signal would save and leave while the others wait for it in the next collective, forever. So
 there SIGTERM is left to JAX's preemption service (`jax.distributed` installs its handler), which
 tells every process the same step to stop at; SIGINT is turned into a SIGTERM to join it.
+
+Outside the loop (start-up: data, model, compile, restore; and closing after it) nothing is being
+trained, so a single process's SIGTERM ends the run at once with one line (`OutsideLoop`), through
+its cleanups: its default action killed it mid-way, without a word (a half-prepared built-in
+corpus stayed behind in the cache).
 """
 
 from __future__ import annotations
@@ -61,9 +66,63 @@ class StopRequest:
             handled = (signal.SIGINT,) if self._multihost else (signal.SIGTERM, signal.SIGINT)
             for sig in handled:
                 self._previous[sig] = signal.signal(sig, self._handle)
+                outside = getattr(self._previous[sig], "__self__", None)
+                if isinstance(outside, OutsideLoop):
+                    outside.loop_started = True  # a signal after this loop comes while closing
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class Stopped(BaseException):
+    """A SIGTERM outside the step loop: raised where the main thread is, so that cleanups run.
+    A `BaseException`, like `KeyboardInterrupt`, so that no `except Exception` swallows it."""
+
+    def __init__(self, signal_name: str, loop_started: bool) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.loop_started = loop_started
+
+    def line(self) -> str:
+        """What the stop says: as the loop's stop line, whether anything is lost and what next."""
+        if self.loop_started:  # the loop's saves were all written before it returned
+            return (
+                f"stopped by {self.signal_name} while closing the run, after its last step; its "
+                "checkpoints are complete: re-run the same command to resume"
+            )
+        return (
+            f"stopped by {self.signal_name} during start-up, before this session's first step; "
+            "nothing was trained, so nothing new is saved; re-run the same command to start (or "
+            "resume from the latest checkpoint)"
+        )
+
+
+class OutsideLoop:
+    """A context manager, held around a whole run, that turns a single process's SIGTERM into
+    `Stopped` while no `StopRequest` holds it. Several processes leave SIGTERM to JAX's
+    preemption service, which stops them all after the same step, so there it does nothing.
+    SIGINT keeps its `KeyboardInterrupt`."""
+
+    def __init__(self, single_process: bool) -> None:
+        self.loop_started = False  # a `StopRequest` took SIGTERM over (and gave it back)
+        self._single_process = single_process
+        self._previous: object = None
+        self._installed = False
+
+    def _handle(self, signum: int, _frame) -> None:
+        raise Stopped(signal.Signals(signum).name, self.loop_started)
+
+    def __enter__(self) -> OutsideLoop:
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread and self._single_process:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False

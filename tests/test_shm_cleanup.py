@@ -1,0 +1,120 @@
+"""Grain worker processes (`data.workers > 0`) leave nothing behind: no process, no shared memory
+segment in /dev/shm, and no "leaked shared_memory" warning in the run's log, whether the
+scheduler signals the whole job (Slurm's preemption: SIGTERM to every process) or the trainer
+dies without stopping its workers (an out-of-memory kill, the watchdog's exit)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc"),
+]
+SEGMENT = re.compile(r"/dev/shm/(psm_\w+)")
+WAIT_S = 120  # generous bounds on waits that end on an event, never asserted on
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def segments_of(pids: list[int]) -> set[str]:
+    """The shared memory segments these processes have mapped or open."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            names.update(SEGMENT.findall(Path(f"/proc/{pid}/maps").read_text()))
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                names.update(SEGMENT.findall(os.readlink(fd)))
+        except OSError:
+            continue
+    return names
+
+
+def losses_logged(workdir: Path) -> int:
+    metrics = workdir / "metrics.jsonl"
+    return metrics.read_text().count('"loss"') if metrics.exists() else 0
+
+
+def start_run(corpus: Path, workdir: Path, repo_root: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml", *TINY]
+    cmd += [f"data.path={corpus}", "data.workers=2", "run.steps=100000", "checkpoint.every=1000"]
+    cmd += ["eval.every=1000", "log.tensorboard=false", f"run.workdir={workdir}"]
+    return subprocess.Popen(
+        cmd, cwd=repo_root, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def train_a_few_steps(proc: subprocess.Popen, workdir: Path) -> set[str]:
+    """Wait for 3 logged steps; the segments the run's processes used meanwhile."""
+    seen: set[str] = set()
+    deadline = time.time() + WAIT_S
+    while losses_logged(workdir) < 3 and proc.poll() is None and time.time() < deadline:
+        seen |= segments_of(group_members(proc.pid))
+        time.sleep(0.1)
+    seen |= segments_of(group_members(proc.pid))
+    assert losses_logged(workdir) >= 3, proc.stderr.read()[-2000:] if proc.poll() else "no steps"
+    return seen
+
+
+def wait_for_group_to_end(pgid: int) -> list[int]:
+    """The group's processes still alive after `WAIT_S` (none: it ended); those are then ended,
+    gently first so that Python's resource tracker can still unlink their segments."""
+    deadline = time.time() + WAIT_S
+    while group_members(pgid) and time.time() < deadline:
+        time.sleep(0.1)
+    left = group_members(pgid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in group_members(pgid):
+            os.kill(pid, sig)
+        time.sleep(2)
+    return left
+
+
+def test_a_slurm_preemption_leaves_no_worker_segment_or_warning(corpus, tmp_path, repo_root):
+    """Slurm signals every process of the job. The workers used to die of the SIGTERM with a
+    batch in hand, and Python's resource tracker warned in the job's log that it cleaned up
+    "10 leaked shared_memory objects"; now the trainer ends its workers itself."""
+    workdir = tmp_path / "run"
+    proc = start_run(corpus, workdir, repo_root)
+    seen = train_a_few_steps(proc, workdir)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=WAIT_S)
+    left = wait_for_group_to_end(proc.pid)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "stopped by SIGTERM at step" in stderr
+    assert "leaked shared_memory" not in stderr, stderr[-1000:]
+    assert not left, "worker processes outlived the run"
+    assert seen and not seen & set(os.listdir("/dev/shm"))
+
+
+def test_workers_end_with_a_trainer_that_dies_without_stopping_them(corpus, tmp_path, repo_root):
+    """A trainer killed outright (out of memory, `kill -9`, the watchdog's `os._exit`) used to
+    leave its workers running forever, their batches in /dev/shm, until a scheduler's SIGKILL
+    left those segments there for good."""
+    workdir = tmp_path / "run"
+    proc = start_run(corpus, workdir, repo_root)
+    seen = train_a_few_steps(proc, workdir)
+    proc.kill()  # the trainer alone
+    proc.wait(timeout=WAIT_S)
+    left = wait_for_group_to_end(proc.pid)
+    proc.stderr.close()
+    assert not left, "worker processes outlived the trainer"
+    assert seen and not seen & set(os.listdir("/dev/shm"))

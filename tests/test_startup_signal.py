@@ -1,0 +1,40 @@
+"""A SIGTERM during a run's start-up (data preparation or loading, model build, compile, restore)
+ends it at once with one line and exit 0, as a stop in the loop does, leaving nothing half-written:
+its default action killed the process without a word (exit 143 in a Slurm log)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import TINY
+
+STARTUP_LINE = "stopped by SIGTERM during start-up, before this session's first step"
+
+
+@pytest.mark.slow
+def test_sigterm_during_startup_is_one_line_and_the_rerun_starts(tmp_path, repo_root):
+    """The signal comes while the run prepares the built-in corpus on first use (seconds)."""
+    cache = tmp_path / "cache"
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml", *TINY]
+    cmd += ["data.path=python-docstrings", "run.steps=1", "eval.every=100"]
+    cmd += ["log.tensorboard=false", f"run.workdir={workdir}"]
+    env = {**os.environ, "ACCEL_TRAINER_CACHE": str(cache)}
+    proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    assert first.startswith("preparing built-in corpus"), first
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert proc.returncode == 0, rest[-2000:]
+    assert rest.strip().splitlines()[-1].startswith(STARTUP_LINE), rest[-2000:]
+    assert "Traceback" not in rest
+    made = [p.name for p in cache.iterdir()] if cache.exists() else []
+    assert not [name for name in made if ".tmp-" in name]  # no half-made dataset
+    assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+
+    rerun = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert rerun.stderr.strip().splitlines()[-1].startswith("finished at step 1")
