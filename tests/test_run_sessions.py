@@ -138,7 +138,14 @@ if os.environ.get("TERM_AFTER_SAVING"):  # the job's time runs out while that sa
         wait(self)
     Checkpointer.save, Checkpointer.wait = noting_save, sigterm_then_wait
 
-held_out = lambda: (batch(seed, "EVAL_BLOCK_AT") for seed in range(2))
+def held_out_batch(seed):
+    if seed == int(os.environ.get("EVAL_TERM_AT", "-1")):  # the job's time runs out in an eval
+        import signal
+        os.kill(os.getpid(), signal.SIGTERM)
+    return batch(seed, "EVAL_BLOCK_AT")
+
+eval_batches = int(os.environ.get("EVAL_BATCHES", "2"))
+held_out = lambda: (held_out_batch(seed) for seed in range(eval_batches))
 trainer.run(trainer.load_config(None, sys.argv[1:]), data=Batches(), eval_data=held_out)
 """
 
@@ -218,6 +225,22 @@ def test_sigterm_while_an_eval_source_blocks_saves_the_step_and_stops(tmp_path, 
     ), stderr[-3000:]
     assert saved_steps(workdir) == [3]
     assert sorted(losses_of(workdir)) == [2, 3], "the stop's line reports step 3 (log.every=2)"
+    assert not [r for r in rows_of(workdir) if "eval_loss" in r]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_long_eval_ends_it_and_saves_the_step(tmp_path, repo_root):
+    """Eval batches that are all ready: before, the signal was looked at only while waiting for
+    one, so the 400-batch eval ran to its end and then step 4 trained before the stop; under
+    Slurm's grace period a long eval was killed unsaved."""
+    workdir = tmp_path / "run"
+    args = ["eval.every=3", "eval.steps=400", "log.every=1"]
+    proc = caller_run(repo_root, workdir, *args, EVAL_BATCHES="400", EVAL_TERM_AT="2")
+    stderr = finished(proc)
+    assert f"stopped by SIGTERM at step 3; checkpoint saved in {workdir / 'checkpoints/3'}" in (
+        stderr
+    ), stderr[-3000:]
+    assert saved_steps(workdir) == [3]
     assert not [r for r in rows_of(workdir) if "eval_loss" in r]
 
 

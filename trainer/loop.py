@@ -327,7 +327,7 @@ class Loop:
         """`eval_loss`, and `eval_<name>` for each of the loss's other aux scalars; for a
         mixture also each source's `eval_loss_<source>` (`eval_<name>_<source>`), and as
         `eval_loss` (`eval_<name>`) the mixture's expectation: the sources' values weighted by
-        their mixture weights. None when `stopped()` turned true while waiting for eval data."""
+        their mixture weights. None when `stopped()` turned true during the eval."""
         if not self.sources.make_evals:
             means = self._eval_means(self.sources.make_eval, state, stopped)
             return None if means is None else {f"eval_{k}": v for k, v in means.items()}
@@ -355,7 +355,7 @@ class Loop:
     ) -> dict[str, float] | None:
         """Mean held-out `loss` (per token, or per the loss's `weight`) over `eval.steps`
         batches, and its other aux scalars averaged the same way; None when `stopped()` turned
-        true while waiting for one."""
+        true during it: between batches, or while waiting for one."""
         sums, weight = {}, 0.0
         feed = DeviceFeed(
             iter(make_eval()),
@@ -365,6 +365,8 @@ class Loop:
         )
         with feed:
             for _ in range(self.config.eval.steps):
+                if stopped():  # a long eval of ready batches must not outlast a SIGTERM's grace
+                    return None
                 try:
                     fetched = feed.next_unless(stopped)
                 except StopIteration:  # finite eval data: all of it
