@@ -184,9 +184,13 @@ class DeviceFeed:
 
     def close(self) -> None:
         """Stop the thread; wait for it unless a wait for its batch was given up (`next_unless`):
-        then it is blocked in the source, and leaves once the source returns."""
+        then it is blocked in the source, and leaves once the source returns. A Grain iterator
+        is then closed here, its worker processes stopped in order: left to the exit's
+        finalizers, its stop raced its own threads' (a Grain traceback after a data error)."""
         self._stop.set()
         self._thread.join(timeout=0 if self._abandoned else 10)
+        if not self._thread.is_alive() and hasattr(self._iterator, "close_readers"):
+            self._iterator.close_readers()
 
     def __enter__(self) -> DeviceFeed:
         return self

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import grain
 import numpy as np
 
 from input_pipeline.errors import DataError
@@ -54,6 +55,12 @@ class MixedStream:
         self._in_hand: dict[str, Batch | None] = dict.fromkeys(self.names)
         self._used = dict.fromkeys(self.names, 0)
         self._read_at = {n: None for n in self.names}  # position its batch in hand was read at
+
+    def close_readers(self) -> None:
+        """Stop the sources' Grain readers now, in this thread."""
+        for iterator in self.iterators.values():
+            if isinstance(iterator, grain.DatasetIterator):
+                iterator.close()
 
     def __iter__(self) -> Iterator[Batch]:
         return self

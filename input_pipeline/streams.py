@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grain
 import numpy as np
 
 from input_pipeline.errors import DataError
@@ -108,6 +109,11 @@ class StreamBatches:
             self._last[stream] = batch
         return batch
 
+    def close_readers(self) -> None:
+        """Stop the open streams' readers (Grain worker processes) now, in this thread."""
+        for iterator in (self._iterators or {}).values():
+            close_readers(iterator)
+
     def get_state(self) -> dict[str, Any]:
         positions = {str(s): it.get_state() for s, it in self._open().items()}
         return {"streams": self.streams, "positions": positions}
@@ -139,3 +145,12 @@ class StreamBatches:
             )
         for s, iterator in self._open().items():
             iterator.set_state(state["positions"][str(s)])
+
+
+def close_readers(iterator: Any) -> None:
+    """Close a batch iterator of ours (`close_readers`) or Grain's (`close`); a caller's own
+    iterator is left as it is."""
+    if hasattr(iterator, "close_readers"):
+        iterator.close_readers()
+    elif isinstance(iterator, grain.DatasetIterator):
+        iterator.close()

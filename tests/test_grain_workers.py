@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.device import DeviceFeed
 from input_pipeline.pipeline import make_batch_iterator, split_source
 from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource
@@ -91,3 +92,23 @@ def test_grain_workers_start_no_accelerator_backend(corpus, tmp_path, monkeypatc
     assert seen["started_after"] == ["cpu"] and seen["platform"] == "cpu", seen
     assert seen["jax_platforms"] == "cpu" and seen["cuda_visible_devices"] == "", seen
     assert seen["ignores_sigint"], "Ctrl-C printed a KeyboardInterrupt traceback per worker"
+
+
+def test_closing_the_device_feed_stops_the_data_workers(corpus):
+    """The feed closes our streams' Grain readers in its own thread. Before: they were left to
+    the exit's finalizers, whose stop raced Grain's own after a data error (a Grain traceback
+    under the one-line error, 4 runs in 10 with four workers and no readable record)."""
+    import multiprocessing
+
+    from trainer.config import load_config
+    from trainer.data import dataset_sources
+    from trainer.parallel import sharding
+
+    overrides = [f"data.path={corpus}", "data.workers=2", "data.seq_len=64"]
+    config = load_config(None, [*overrides, "data.global_batch_size=8"])
+    sources = dataset_sources(config.data, seed=0, skip_log=None)
+    mesh = sharding.make_mesh(config.mesh)
+    with DeviceFeed(sources.train, sharding.batch_sharding(mesh), prefetch=2) as feed:
+        next(feed)
+        assert len(multiprocessing.active_children()) == 2  # the data workers are up
+    assert multiprocessing.active_children() == []
