@@ -15,10 +15,10 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import grain
 import numpy as np
 
 from input_pipeline.errors import DataError
+from input_pipeline.streams import close_readers
 
 Batch = dict[str, np.ndarray]
 
@@ -59,8 +59,7 @@ class MixedStream:
     def close_readers(self) -> None:
         """Stop the sources' Grain readers now, in this thread."""
         for iterator in self.iterators.values():
-            if isinstance(iterator, grain.DatasetIterator):
-                iterator.close()
+            close_readers(iterator)
 
     def __iter__(self) -> Iterator[Batch]:
         return self

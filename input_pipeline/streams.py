@@ -148,8 +148,8 @@ class StreamBatches:
 
 
 def close_readers(iterator: Any) -> None:
-    """Close a batch iterator of ours (`close_readers`) or Grain's (`close`); a caller's own
-    iterator is left as it is."""
+    """Stop the readers behind one of our pipeline's batch iterators: a stream or mixture of ours
+    (`close_readers`), or the Grain iterator of one dataset (`close`)."""
     if hasattr(iterator, "close_readers"):
         iterator.close_readers()
     elif isinstance(iterator, grain.DatasetIterator):

@@ -9,6 +9,7 @@ import re
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import sys  # noqa: E402
 import sysconfig  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -96,6 +97,19 @@ def damaged(corpus, tmp_path):
         data[i] ^= 0x5A
     shard.write_bytes(bytes(data))
     return copy, shard
+
+
+def tiny_cli(args, workdir) -> list[str]:
+    """The argv of `python -m trainer.main` on the tiny config with `args`, run in `workdir`."""
+    return [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "--config",
+        "configs/tiny.yaml",
+        *args,
+        f"run.workdir={workdir}",
+    ]
 
 
 def tiny_run(corpus, workdir, steps=4):

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, tiny_cli
 
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
@@ -43,18 +43,6 @@ def uninterrupted_run(repo_root, args, workdir):
         )
     )
     return workdir
-
-
-def tiny_cli(args, workdir) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trainer.main",
-        "--config",
-        "configs/tiny.yaml",
-        *args,
-        f"run.workdir={workdir}",
-    ]
 
 
 def base(corpus, workdir, *extra):

@@ -4,12 +4,12 @@ fixes, before any compile; a layout that does divide trains, offloaded state inc
 
 import math
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_cli
 from flax import nnx
 
 import trainer
@@ -139,20 +139,9 @@ def test_dimensions_that_divide_train_with_offloaded_state(tmp_path):
 
 
 def test_the_builtin_transformer_with_an_indivisible_d_ff_is_one_line(repo_root, corpus, tmp_path):
+    args = [f"data.path={corpus}", "run.steps=2", "model.d_ff=129", "mesh.data=4", "mesh.tensor=2"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.main",
-            "--config",
-            "configs/tiny.yaml",
-            f"data.path={corpus}",
-            f"run.workdir={tmp_path}",
-            "run.steps=2",
-            "model.d_ff=129",
-            "mesh.data=4",
-            "mesh.tensor=2",
-        ],
+        tiny_cli(args, tmp_path),
         cwd=repo_root,
         capture_output=True,
         text=True,

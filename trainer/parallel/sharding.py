@@ -103,16 +103,23 @@ def check_rules_used(overrides: Mapping[str, object], logical_axes: frozenset[st
         )
 
 
+def spec_names(entry: object) -> tuple[str, ...]:
+    """One entry of a PartitionSpec, or a rule's target, as its names: None is none, a name is
+    one, a tuple is several."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(name for name in entry if name is not None)
+
+
 def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> PartitionSpec:
     """Map a PartitionSpec of logical names to mesh axes; a mesh axis is used at most once."""
     used: set[str] = set()
     out = []
     for logical in spec:
-        names = logical if isinstance(logical, tuple) else (logical,)
         axes: list[str] = []
-        for name in names:
-            if name is None:
-                continue
+        for name in spec_names(logical):
             if name in MESH_AXES:  # already a mesh axis (user models may name them directly)
                 target: object = name
             elif name in rules:
@@ -122,7 +129,7 @@ def logical_to_mesh(spec: PartitionSpec, rules: Mapping[str, object]) -> Partiti
                     f"parameter axis {name!r} has no sharding rule; add mesh.rules.{name}: "
                     "<fsdp|tensor|data|null> to the config"
                 )
-            for axis in (target,) if isinstance(target, str) else (target or ()):
+            for axis in spec_names(target):
                 if axis not in used:
                     used.add(axis)
                     axes.append(axis)
@@ -139,12 +146,12 @@ def indivisible_axis(
     """The first dimension of `shape` that its mesh axes (`resolved`, from the `logical` names)
     do not split evenly, said as the problem and its fixes; None when all divide. JAX would
     refuse it later, in a traceback that names no parameter."""
-    for size, names, axes in zip(shape, logical, resolved, strict=False):
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    for size, logical_entry, mesh_entry in zip(shape, logical, resolved, strict=False):
+        axes = spec_names(mesh_entry)
         count = math.prod(mesh_sizes[axis] for axis in axes)
         if size % count == 0:
             continue
-        names = tuple(n for n in (names if isinstance(names, tuple) else (names,)) if n)
+        names = spec_names(logical_entry)
         return (
             f"its {'+'.join(repr(n) for n in names)} axis ({size}) does not split over "
             f"{_over(axes, mesh_sizes)}; {_divisor_fix(axes, size)}, or {_rule_fix(names)}"

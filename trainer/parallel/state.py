@@ -89,8 +89,7 @@ def abstract_model(
             name
             for spec in jax.tree.leaves((param_specs, rest_specs), is_leaf=is_spec)
             for axis in spec
-            for name in (axis if isinstance(axis, tuple) else (axis,))
-            if name is not None
+            for name in sharding.spec_names(axis)
         ),
     )
     return skeleton, params, rest
