@@ -10,13 +10,16 @@ tells every process the same step to stop at; SIGINT is turned into a SIGTERM to
 Outside the loop (start-up: data, model, compile, restore; and closing after it) nothing is being
 trained, so a single process's SIGTERM ends the run at once with one line (`OutsideLoop`), through
 its cleanups: its default action killed it mid-way, without a word (a half-prepared built-in
-corpus stayed behind in the cache).
+corpus stayed behind in the cache). Python swallows an exception raised where it cannot propagate
+(a garbage-collector callback, a `__del__`), so a stop raised there is kept and raised again when
+the loop would start, or when the run closes.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import jax
@@ -63,12 +66,13 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals need the main thread
+            outside = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            if isinstance(outside, OutsideLoop):
+                outside.raise_swallowed()  # a start-up stop that Python swallowed
+                outside.loop_started = True  # a signal after this loop comes while closing
             handled = (signal.SIGINT,) if self._multihost else (signal.SIGTERM, signal.SIGINT)
             for sig in handled:
                 self._previous[sig] = signal.signal(sig, self._handle)
-                outside = getattr(self._previous[sig], "__self__", None)
-                if isinstance(outside, OutsideLoop):
-                    outside.loop_started = True  # a signal after this loop comes while closing
         return self
 
     def __exit__(self, *exc) -> None:
@@ -110,19 +114,37 @@ class OutsideLoop:
         self.loop_started = False  # a `StopRequest` took SIGTERM over (and gave it back)
         self._single_process = single_process
         self._previous: object = None
+        self._previous_unraisable_hook = sys.unraisablehook
+        self._raised: Stopped | None = None  # kept in case Python swallowed it
         self._installed = False
 
     def _handle(self, signum: int, _frame) -> None:
-        raise Stopped(signal.Signals(signum).name, self.loop_started)
+        self._raised = Stopped(signal.Signals(signum).name, self.loop_started)
+        raise self._raised
+
+    def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
+        """Python's report of an exception it swallowed; our own stop is raised again later."""
+        if not isinstance(unraisable.exc_value, Stopped):
+            self._previous_unraisable_hook(unraisable)
+
+    def raise_swallowed(self) -> None:
+        """Raise again a stop that was raised where Python could only swallow it."""
+        if self._raised is not None:
+            raise Stopped(self._raised.signal_name, self.loop_started)
 
     def __enter__(self) -> OutsideLoop:
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread and self._single_process:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous_unraisable_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
             self._installed = True
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_exc) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
+            sys.unraisablehook = self._previous_unraisable_hook
             self._installed = False
+            if exc_type is None:
+                self.raise_swallowed()  # a stop swallowed while the run closed
