@@ -84,6 +84,40 @@ def test_a_dimension_the_tensor_axis_does_not_split_is_one_line(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()  # refused at setup, before any step
 
 
+class TwoHeads(nnx.Module):
+    """Two kernels whose output axes carry different logical names, both mapped to tensor."""
+
+    def __init__(self, features: int, classes: int, rngs: nnx.Rngs):
+        self.a = Dense(features, classes, ("embed", "vocab"), rngs)
+        self.b = Dense(features, classes, ("embed", "mlp"), rngs)
+
+    def __call__(self, x):
+        return self.a(x) + self.b(x)
+
+
+def test_every_logical_axis_at_fault_is_named_in_the_one_line(tmp_path):
+    # fixing only the first axis showed the next one on the following run
+    model = lambda rngs: TwoHeads(4, 3, rngs)  # noqa: E731
+    message = setup_error(tmp_path, model, 4, 3, "mesh.data=4", "mesh.tensor=2")
+    assert message == (
+        "parameter a/out/kernel (4, 3): its 'vocab' axis (3) does not split over mesh.tensor=2; "
+        "use a mesh.tensor that divides 3, or map vocab to null (mesh.rules.vocab=null); also "
+        "parameter b/out/kernel (4, 3): its 'mlp' axis (3) does not split over mesh.tensor=2; "
+        "use a mesh.tensor that divides 3, or map mlp to null (mesh.rules.mlp=null)"
+    )
+    fixed = run(
+        tmp_path / "fixed",
+        model,
+        4,
+        3,
+        "mesh.data=4",
+        "mesh.tensor=2",
+        "mesh.rules.vocab=null",
+        "mesh.rules.mlp=null",
+    )
+    assert fixed.step == 3
+
+
 def test_an_axis_over_two_mesh_axes_names_their_product_and_each(tmp_path):
     message = setup_error(
         tmp_path,

@@ -142,17 +142,17 @@ def indivisible_axis(
     logical: PartitionSpec,
     resolved: PartitionSpec,
     mesh_sizes: Mapping[str, int],
-) -> str | None:
+) -> tuple[tuple[str, ...], str] | None:
     """The first dimension of `shape` that its mesh axes (`resolved`, from the `logical` names)
-    do not split evenly, said as the problem and its fixes; None when all divide. JAX would
-    refuse it later, in a traceback that names no parameter."""
+    do not split evenly: its logical names, and the problem with its fixes; None when all divide.
+    JAX would refuse it later, in a traceback that names no parameter."""
     for size, logical_entry, mesh_entry in zip(shape, logical, resolved, strict=False):
         axes = spec_names(mesh_entry)
         count = math.prod(mesh_sizes[axis] for axis in axes)
         if size % count == 0:
             continue
         names = spec_names(logical_entry)
-        return (
+        return names, (
             f"its {'+'.join(repr(n) for n in names)} axis ({size}) does not split over "
             f"{_over(axes, mesh_sizes)}; {_divisor_fix(axes, size)}, or {_rule_fix(names)}"
         )

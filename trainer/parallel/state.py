@@ -98,16 +98,21 @@ def abstract_model(
 def check_divisible(kind: str, shapes: PyTree, logical_specs: PyTree, shardings: PyTree) -> None:
     """Every dimension splits evenly over its mesh axes, checked once at setup: otherwise the
     sharded init stops in a JAX traceback. The optimizer state and the offloaded copies follow
-    these shardings, so this covers them too."""
+    these shardings, so this covers them too. The line names one parameter per logical axis at
+    fault, so that one run shows every fix."""
+    problems: dict[tuple[str, ...], str] = {}  # a logical axis -> its first parameter's problem
 
     def check(path, logical: PartitionSpec, named: NamedSharding, shape) -> None:
-        problem = sharding.indivisible_axis(shape.shape, logical, named.spec, named.mesh.shape)
-        if problem is not None:
+        found = sharding.indivisible_axis(shape.shape, logical, named.spec, named.mesh.shape)
+        if found is not None:
+            names, problem = found
             where = jax.tree_util.keystr(path, simple=True, separator="/")
-            raise ConfigError(f"{kind} {where} {tuple(shape.shape)}: {problem}")
+            problems.setdefault(names, f"{kind} {where} {tuple(shape.shape)}: {problem}")
 
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     jax.tree_util.tree_map_with_path(check, logical_specs, shardings, shapes, is_leaf=is_spec)
+    if problems:
+        raise ConfigError("; also ".join(problems.values()))
 
 
 def state_shardings(
