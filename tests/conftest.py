@@ -54,6 +54,20 @@ def repo_root() -> Path:
     return REPO
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_for_child_runs(tmp_path_factory):
+    """The training processes tests start compile the same tiny programs again and again: JAX's
+    persistent compilation cache lets only the first of them in each worker compile (a tiny CLI
+    run took 9.5 s cold and 3.1 s warm here). Set once the suite's own JAX has read its
+    settings, so it is the children that use it; tests that build their own environment
+    (`test_multihost.cpu_env`) set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jax-cache"))
+        patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+        yield
+
+
 # A small but real model and run shape shared by the end-to-end tests.
 TINY = [
     "model.num_layers=2",
