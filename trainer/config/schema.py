@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic_core import PydanticKnownError
 
 from trainer.config.validation import as_typed, set_dotted, validated
+from trainer.hf.config import ROPE_SCALING_KEYS
 
 
 class _Section(BaseModel):
@@ -208,18 +209,6 @@ class ModelConfig(_Section):
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
         return self
-
-
-# Keys each `model.rope_scaling` type needs (as Hugging Face's config.json spells them).
-ROPE_SCALING_KEYS = {
-    "linear": ("factor",),
-    "llama3": (
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    ),
-}
 
 
 def _check_rope_scaling(scaling: dict[str, Any]) -> None:

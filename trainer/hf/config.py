@@ -15,6 +15,17 @@ from trainer.hf import hf_folder
 
 SUPPORTED_TYPES = ("llama", "mistral")
 CONFIG_FILE = "config.json"
+# The rope scalings the built-in transformer computes (trainer/models/rope.py), with the keys each
+# needs, as config.json spells them; `model.rope_scaling` is checked against the same list.
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+}
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
@@ -49,10 +60,10 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling.pop("type", None)
     if kind == "default":
         return theta, None
-    if kind not in ("linear", "llama3"):
+    if kind not in ROPE_SCALING_KEYS:
         raise ConfigError(
             f"config.json rope type {kind!r} is not supported (rope_scaling.rope_type); "
-            "supported: default, linear, llama3"
+            f"supported: default, {', '.join(ROPE_SCALING_KEYS)}"
         )
     return theta, {"type": kind, **scaling}
 
