@@ -215,8 +215,9 @@ def lm_loss_with_aux(model, batch):
     return loss, {**aux, "nll": loss}
 
 
-def mixture_config(corpus, tmp_path):
-    """A 1-step run of two sources, `code` (the corpus) and `prose`, evaluated at its step."""
+def mixture_config(corpus, tmp_path, *overrides):
+    """A 1-step run of two sources, `code` (the corpus) and `prose`, evaluated at its step
+    (unless `overrides` say otherwise)."""
     prose = prepare_dataset(
         documents(40, seed=7), tmp_path / "prose", eval_fraction=0.2, progress=False
     )
@@ -231,6 +232,7 @@ def mixture_config(corpus, tmp_path):
             "eval.every=1",
             "eval.steps=1",
             "log.tensorboard=false",
+            *overrides,
         ],
     )
 
@@ -259,3 +261,42 @@ def test_an_aux_named_like_another_aux_on_a_source_is_one_line(corpus, tmp_path)
         "loss_fn's aux 'nll' on mixture source 'code' and aux 'nll_code' would both log in "
         "eval as 'eval_nll_code'; rename"
     )
+
+
+def colliding_in_eval_only_loss(model, batch):
+    """The aux `nll_code` only where the model is evaluated (`model.eval()`)."""
+    loss, aux = next_token_loss(model, batch)
+    extra = {"nll_code": jnp.float32(7.0)} if model.deterministic else {}
+    return loss, {**aux, "nll": loss, **extra}
+
+
+def colliding_in_training_only_loss(model, batch):
+    """The aux `nll_code` only in training: eval logs no two values as `eval_nll_code`."""
+    loss, aux = next_token_loss(model, batch)
+    extra = {} if model.deterministic else {"nll_code": jnp.float32(7.0)}
+    return loss, {**aux, "nll": loss, **extra}
+
+
+def trained_rows(workdir) -> list[dict]:
+    """The metrics lines of trained steps (none where the run stopped before its workdir)."""
+    metrics = workdir / "metrics.jsonl"
+    return [r for r in rows_of(workdir) if "loss" in r] if metrics.exists() else []
+
+
+@pytest.mark.parametrize("loss_fn", [colliding_aux_loss, colliding_in_eval_only_loss])
+def test_an_eval_name_collision_is_refused_before_the_first_step(corpus, tmp_path, loss_fn):
+    """Before: refused at the first eval, here the last step's, after training every step (a
+    long eval.every: hours of training)."""
+    config = mixture_config(corpus, tmp_path, "run.steps=2", "eval.every=1000")
+    with pytest.raises(trainer.ConfigError, match=r"^loss_fn's aux 'nll' on mixture source"):
+        trainer.run(config, loss_fn=loss_fn)
+    assert trained_rows(tmp_path / "run") == []
+
+
+def test_a_collision_in_training_only_is_not_refused(corpus, tmp_path):
+    """Train lines have no per-source names: only what the eval step returns can collide."""
+    trainer.run(mixture_config(corpus, tmp_path), loss_fn=colliding_in_training_only_loss)
+    (line,) = trained_rows(tmp_path / "run")
+    assert line["nll_code"] == 7.0
+    (row,) = [r for r in rows_of(tmp_path / "run") if "eval_loss" in r]
+    assert row["eval_nll_code"] == pytest.approx(row["eval_loss_code"], rel=1e-6)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from input_pipeline.device import DeviceFeed
+from input_pipeline.packing import FIELDS
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config
 from trainer.data import DataSources
@@ -105,6 +106,22 @@ def check_mixture_eval_names(names: list[str], sources: list[str]) -> None:
                     f"loss_fn's {meaning} and {other} would both log in eval as {key!r}; "
                     "rename one of the two aux in loss_fn (or the source: data.mixture[].name)"
                 )
+
+
+def check_mixture_eval_step(config: Config, program: TrainProgram, sources: DataSources) -> None:
+    """`check_mixture_eval_names` at setup, not hours later at the first eval: the names are the
+    eval step's own aux (a loss_fn's train aux may differ), read from its output's shapes on an
+    abstract state and batch (nothing is read or computed). Free without a mixture's evals."""
+    if not sources.make_evals:
+        return
+    rows_x_len = (config.data.global_batch_size, config.data.seq_len)
+    batch = {  # what every eval batch of prepared data is (`input_pipeline.packing`)
+        name: jax.ShapeDtypeStruct(rows_x_len, dtype, sharding=program.batch_sharding)
+        for name, dtype in FIELDS.items()
+    }
+    with jax.set_mesh(program.mesh):
+        out = jax.eval_shape(program.eval_step, program.abstract_state(), batch)
+    check_mixture_eval_names(["loss", *out["aux_sums"]], list(sources.make_evals))
 
 
 def _add_finite(values: list[float], value: float) -> None:
@@ -338,8 +355,7 @@ class Loop:
             by_source[source] = means
         weights = {source: weight for source, (weight, _) in self.sources.make_evals.items()}
         total = sum(weights.values())
-        names = list(next(iter(by_source.values())))
-        check_mixture_eval_names(names, list(by_source))
+        names = list(next(iter(by_source.values())))  # checked at setup: `check_mixture_eval_step`
         row = {
             f"eval_{k}": sum(by_source[s][k] * w for s, w in weights.items()) / total for k in names
         }

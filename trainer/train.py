@@ -26,7 +26,7 @@ from trainer.data import (
 )
 from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
-from trainer.loop import Loop, RunResult
+from trainer.loop import Loop, RunResult, check_mixture_eval_step
 from trainer.models import pipeline_spec, run_model
 from trainer.models.attention import CheckedBatches
 from trainer.models.spec import ModelSpec
@@ -75,6 +75,7 @@ def run(
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
         spec, build = run_model(config, model, sources.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
+        check_mixture_eval_step(config, program, sources)  # before a refused run writes anything
         make_workdir(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
