@@ -19,7 +19,7 @@ import numpy as np
 from input_pipeline.device import DeviceFeed
 from input_pipeline.packing import FIELDS
 from trainer.checkpoint import Checkpointer
-from trainer.config import Config
+from trainer.config import Config, DataConfig
 from trainer.data import DataSources
 from trainer.errors import ConfigError, TrainingError
 from trainer.nonfinite import NonFiniteStop, checked_vocab_size
@@ -108,13 +108,13 @@ def check_mixture_eval_names(names: list[str], sources: list[str]) -> None:
                 )
 
 
-def check_mixture_eval_step(config: Config, program: TrainProgram, sources: DataSources) -> None:
+def check_mixture_eval_step(data: DataConfig, program: TrainProgram, sources: DataSources) -> None:
     """`check_mixture_eval_names` at setup, not hours later at the first eval: the names are the
     eval step's own aux (a loss_fn's train aux may differ), read from its output's shapes on an
     abstract state and batch (nothing is read or computed). Free without a mixture's evals."""
     if not sources.make_evals:
         return
-    rows_x_len = (config.data.global_batch_size, config.data.seq_len)
+    rows_x_len = (data.global_batch_size, data.seq_len)
     batch = {  # what every eval batch of prepared data is (`input_pipeline.packing`)
         name: jax.ShapeDtypeStruct(rows_x_len, dtype, sharding=program.batch_sharding)
         for name, dtype in FIELDS.items()

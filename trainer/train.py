@@ -75,7 +75,7 @@ def run(
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
         spec, build = run_model(config, model, sources.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
-        check_mixture_eval_step(config, program, sources)  # before a refused run writes anything
+        check_mixture_eval_step(config.data, program, sources)  # before anything is written
         make_workdir(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
