@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -25,6 +27,7 @@ from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
 from input_pipeline.records import Codec, SkipLog
+from input_pipeline.shares import EndOfShare, ShareUnreadable
 
 FEATURE = "tokens"
 READERS = ("auto", "grain", "tfdata")
@@ -78,12 +81,13 @@ def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.
     files = grain.MapDataset.source(paths)
     if reading.shuffle:
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch
+    empty = EmptyShards(paths, in_order=not reading.shuffle, workers=reading.workers)
     shard = functools.partial(
         TFRecordShard,
         vocab_size=vocab_size,
         skip_corrupt=reading.skip_corrupt,
         skips=SkipLog(reading.skip_log),  # shared by this reader's shards of every epoch
-        empty=EmptyShards(paths, in_order=not reading.shuffle),
+        empty=empty,
     )
     shards = files.repeat(reading.num_epochs).map(shard)
     # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
@@ -94,9 +98,11 @@ def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.
         iter_buffer_size=PREFETCH_RECORDS,
     )
     if reading.shuffle:
-        records = grain.experimental.WindowShuffleIterDataset(
+        return grain.experimental.WindowShuffleIterDataset(
             records, window_size=SHUFFLE_RECORDS, seed=reading.seed
         )
+    if empty.share < len(paths):  # a Grain worker may have to stop early (`EmptyShards`)
+        return EndOfShare(records)
     return records
 
 
@@ -139,30 +145,34 @@ class _ShardIterator(grain.DatasetIterator):
         except OSError as err:
             raise DataError(_damaged(shard.path, err.strerror or str(err))) from None
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> dict[str, np.ndarray] | ShareUnreadable:
         while True:
             offset = self._records.get_state()["reader_offset"]
             try:
                 record = next(self._records)
             except StopIteration:
-                self._ended()
-                raise
+                return self._ended()
             except (ValueError, OverflowError, MemoryError):  # a cut or garbled length field
                 self._bad(offset, TRUNCATED)
-                self._ended()
-                raise StopIteration from None  # the rest of the shard cannot be framed
+                # The rest cannot be framed: back to the cut, so asking again (Grain reads on
+                # past a `ShareUnreadable`) meets the same cut, not records framed from garbage.
+                self._records.set_state({"reader_offset": offset})
+                return self._ended()
             tokens, problem = parse_example(self._example, record, self._shard.vocab_size)
             if problem is None:
-                if not self._good:  # the reader has something to read: said at once
-                    self._shard.empty.returned_any = True
                 self._good += 1
                 return {"inputs": tokens[:-1], "targets": tokens[1:]}
             self._bad(offset, problem)
 
-    def _ended(self) -> None:
+    def _ended(self) -> ShareUnreadable:
+        """Raise `StopIteration`; return `ShareUnreadable` instead where this shard
+        was the last of this Grain worker's to be found empty and another shard is readable."""
         if self._whole is not None:  # said once, however often Grain asks again
-            self._shard.empty.shard_ended(self._shard.path, self._good, self._whole)
-            self._whole = None
+            whole, self._whole = self._whole, None
+            readable = functools.partial(any_readable_record, vocab_size=self._shard.vocab_size)
+            if self._shard.empty.shard_ended(self._shard.path, self._good, whole, readable):
+                return ShareUnreadable()
+        raise StopIteration
 
     def _bad(self, offset: int, problem: str) -> None:
         path = self._shard.path
@@ -184,44 +194,72 @@ class _ShardIterator(grain.DatasetIterator):
 
 class EmptyShards:
     """Which of a reader's shards, read whole, returned no record: with `data.skip_corrupt` a
-    reader whose shards all do would skip every record forever, so that is a `DataError`.
-    Checked once per shard read, never per record. `in_order` (unshuffled): the reader (or a
-    Grain worker, which may see only some shards) goes round its shards in a fixed order, so a
-    shard found empty a third time with no record returned yet closes two whole rounds; two,
-    because Grain opens the next shards before the current one's first record is read."""
+    reader (or Grain worker) whose shards all do would skip every record forever. Checked once
+    per shard read, never per record.
 
-    ROUNDS = 3
+    Grain worker i of W reads the i-th, (i+W)-th, ... shard of the repeated shard list, so
+    unshuffled (`in_order`) it reads exactly the shards whose index is i modulo gcd(W, shards):
+    its `share`. Once every shard of a share is found empty, the other shards are checked once:
+    if one holds a readable record the worker ends its reads (another worker reads that shard),
+    otherwise nothing is readable and that is a `DataError`. Shuffled, a new order every epoch
+    brings every shard to every worker: the share is all of them."""
 
-    def __init__(self, paths: list[str], in_order: bool):
-        self.paths = sorted(set(paths))
-        self.in_order = in_order
-        self.empty: dict[str, int] = {}  # shard -> whole reads that returned no record
-        self.returned_any = False
+    def __init__(self, paths: list[str], in_order: bool, workers: int = 0):
+        self.paths = list(paths)  # in the order the reader cycles through them
+        self.stride = math.gcd(workers, len(paths)) if in_order and workers > 1 else 1
+        self.index = {path: i for i, path in enumerate(self.paths)}
+        self.empty: set[str] = set()  # shards read whole that returned no record
+        self.share_unreadable = False  # every shard this worker reads is empty, others are not
 
-    def shard_ended(self, path: str, returned: int, whole: bool) -> None:
-        self.returned_any = self.returned_any or returned > 0
-        if not whole or self.returned_any:
-            return
-        self.empty[path] = self.empty.get(path, 0) + 1
-        rounds = self.in_order and self.empty[path] >= self.ROUNDS
-        if len(self.empty) == len(self.paths) or rounds:
-            raise DataError(no_readable_record(sorted(self.empty), len(self.paths)))
+    @property
+    def share(self) -> int:
+        """How many of the shards one Grain worker reads."""
+        return len(self.paths) // self.stride
+
+    def share_of(self, path: str) -> list[str]:
+        """The shards of the Grain worker that reads `path`."""
+        return self.paths[self.index[path] % self.stride :: self.stride]
+
+    def shard_ended(
+        self, path: str, returned: int, whole: bool, any_readable: Callable[[list[str]], bool]
+    ) -> bool:
+        """Note the end of a read of `path` that `returned` records; True once every shard of
+        this worker's share is empty while `any_readable(the other shards)` says one is not."""
+        if returned or not whole:
+            return False
+        self.empty.add(path)
+        if self.share_unreadable:
+            return True
+        share = self.share_of(path)
+        if not self.empty.issuperset(share):
+            return False
+        others = [p for p in self.paths if p not in share]
+        if not others or not any_readable(others):
+            raise DataError(no_readable_record(self.paths))
+        self.share_unreadable = True
+        return True
 
 
-def no_readable_record(empty: list[str], total: int) -> str:
+def any_readable_record(paths: list[str], vocab_size: int) -> bool:
+    """Whether any TFRecord shard of `paths` holds one of our records, read up to the first."""
+    example = tensorflow().train.Example
+    for path in paths:
+        try:
+            for record in grain.experimental.TFRecordIterDataset(path):
+                if parse_example(example, record, vocab_size)[1] is None:
+                    return True
+        except (OSError, ValueError, OverflowError, MemoryError):  # unopenable, or cut here
+            continue
+    return False
+
+
+def no_readable_record(paths: list[str]) -> str:
     """A reader with nothing left to read: every record of its shards was skipped or absent."""
-    share = "" if len(empty) == total else f" of the {total} of this split"
-    other = (
-        ""
-        if len(empty) == total
-        else " (unshuffled, each of data.workers reads a fixed share of the shards: "
-        "data.shuffle=true spreads them)"
-    )
     return (
-        f"the {len(empty)} TFRecord shard(s){share} this reader reads hold no readable record "
-        f"(first {empty[0]}): each is empty, or data.skip_corrupt=true skipped every record, "
+        f"the {len(paths)} TFRecord shard(s) this reader reads hold no readable record "
+        f"(first {paths[0]}): each is empty, or data.skip_corrupt=true skipped every record, "
         "so there is nothing to read; restore those shards or re-run python -m "
-        f"input_pipeline.prepare --format tfrecord --overwrite{other}"
+        "input_pipeline.prepare --format tfrecord --overwrite"
     )
 
 

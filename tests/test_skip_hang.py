@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import FOUR_RECORD_TOKENS, garble_records
 
-from input_pipeline.pipeline import READ_TOKENS, worker_share
+from input_pipeline.pipeline import READ_TOKENS
+from input_pipeline.shares import worker_share
 
 RUN_TIMEOUT_S = 240  # a healthy run takes seconds; the hang it guards against never ends
 

@@ -329,25 +329,3 @@ def test_skip_corrupt_reads_on_past_wholly_unreadable_shards(datasets, tmp_path,
     reading = Reading(shuffle=shuffle, skip_corrupt=True)
     it = make_batch_iterator(info, "train", seq_len=512, batch_size=2, reading=reading)
     assert all(b["weights"].sum() > 0 for b in take(it, 60))  # several epochs of shard 2
-
-
-def test_a_worker_whose_fixed_share_of_shards_is_unreadable_is_an_error():
-    """Before: unshuffled, each Grain worker reads a fixed share of the shards; a worker whose
-    share was wholly unreadable skipped it forever and the run hung (data.workers=2)."""
-    from input_pipeline.tfrecords import EmptyShards
-
-    empty = EmptyShards(["a", "b", "c", "d"], in_order=True)
-    for _ in range(EmptyShards.ROUNDS - 1):
-        empty.shard_ended("a", 0, whole=True)
-        empty.shard_ended("c", 0, whole=True)
-    with pytest.raises(DataError, match=r"the 2 TFRecord shard\(s\) of the 4 .*data.shuffle=true"):
-        empty.shard_ended("a", 0, whole=True)
-    shuffled = EmptyShards(["a", "b"], in_order=False)
-    for _ in range(3):
-        shuffled.shard_ended("a", 0, whole=True)  # another worker may still read "b" whole
-    resumed = EmptyShards(["a"], in_order=False)
-    resumed.shard_ended("a", 0, whole=False)  # read from mid-shard: says nothing of the rest
-    readable = EmptyShards(["a", "b"], in_order=True)
-    readable.shard_ended("b", 5, whole=True)
-    for _ in range(EmptyShards.ROUNDS + 1):
-        readable.shard_ended("a", 0, whole=True)
