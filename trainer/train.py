@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from input_pipeline.device import row_feeders
+from input_pipeline.workers import wait_for_dropped_batches
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import Config
 from trainer.data import (
@@ -85,24 +86,27 @@ def run(
         write_run_config(config)  # once a refused resume can no longer overwrite the run's own
         writer = open_writer(config, start_step)
         announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
-        with (
-            Loop(
-                config,
-                sources,
-                program,
-                checkpointer,
-                writer,
-                run_metadata(config, sources, vocab_size, state.params),
-                flops_per_token=spec.flops_per_token(config, program.num_params, vocab_size),
-                peak_tflops=device_peak_tflops(config.log.peak_tflops),
-                goodput=goodput,
-                sampler=make_sampler(
-                    config, spec.decoder, program.skeleton, mesh, writer, sources.load_tokenizer
-                ),
-            ) as loop,
-            jax.set_mesh(mesh),
-        ):
-            return loop.train(state, start_step)
+        try:
+            with (
+                Loop(
+                    config,
+                    sources,
+                    program,
+                    checkpointer,
+                    writer,
+                    run_metadata(config, sources, vocab_size, state.params),
+                    flops_per_token=spec.flops_per_token(config, program.num_params, vocab_size),
+                    peak_tflops=device_peak_tflops(config.log.peak_tflops),
+                    goodput=goodput,
+                    sampler=make_sampler(
+                        config, spec.decoder, program.skeleton, mesh, writer, sources.load_tokenizer
+                    ),
+                ) as loop,
+                jax.set_mesh(mesh),
+            ):
+                return loop.train(state, start_step)
+        finally:
+            wait_for_dropped_batches()  # Grain's, before the exit cuts its unlinks short
 
 
 # ----------------------------------------------------------------------------- setup
