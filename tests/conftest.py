@@ -41,12 +41,22 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    slow_first(items)
     if gpu_selected(config.option.markexpr):
         return
     skip = pytest.mark.skip(reason="GPU test: run it with `python -m pytest -m gpu` on a GPU host")
     for item in items:
         if GPU_MARKER in item.keywords:
             item.add_marker(skip)
+
+
+def slow_first(items: list) -> None:
+    """The modules with slow tests first, each kept whole (its module fixtures set up once), in
+    their usual order otherwise: xdist's workers then end on short tests, not one on a long
+    real-process test while the other waits."""
+    slow_modules = {item.module.__name__ for item in items if "slow" in item.keywords}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
 
 
 @pytest.fixture(scope="session")
