@@ -54,9 +54,10 @@ def slow_first(items: list) -> None:
     """The modules with slow tests first, each kept whole (its module fixtures set up once), in
     their usual order otherwise: xdist's workers then end on short tests, not one on a long
     real-process test while the other waits."""
-    slow_modules = {item.module.__name__ for item in items if "slow" in item.keywords}
+    module_of = {id(item): item.nodeid.split("::")[0] for item in items}
+    slow_modules = {module_of[id(item)] for item in items if "slow" in item.keywords}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
+    items.sort(key=lambda item: (module_of[id(item)] not in slow_modules, order[id(item)]))
 
 
 @pytest.fixture(scope="session")
