@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,7 @@ from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
 from input_pipeline.records import Codec, SkipLog
-from input_pipeline.shares import EndOfShare, ShareUnreadable
+from input_pipeline.shares import EndOfShare, ShareUnreadable, worker_share
 
 FEATURE = "tokens"
 READERS = ("auto", "grain", "tfdata")
@@ -206,15 +205,12 @@ class EmptyShards:
 
     def __init__(self, paths: list[str], in_order: bool, workers: int = 0):
         self.paths = list(paths)  # in the order the reader cycles through them
-        self.stride = math.gcd(workers, len(paths)) if in_order and workers > 1 else 1
+        # How many of the shards one Grain worker reads: ArrayRecord's rule, one shard per read.
+        self.share = worker_share(len(self.paths), 1, workers, shuffle=not in_order)
+        self.stride = len(self.paths) // self.share  # a worker's shards are this far apart
         self.index = {path: i for i, path in enumerate(self.paths)}
         self.empty: set[str] = set()  # shards read whole that returned no record
         self.share_unreadable = False  # every shard this worker reads is empty, others are not
-
-    @property
-    def share(self) -> int:
-        """How many of the shards one Grain worker reads."""
-        return len(self.paths) // self.stride
 
     def share_of(self, path: str) -> list[str]:
         """The shards of the Grain worker that reads `path`."""
