@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY
+from conftest import TINY, compile_cache
 
 from input_pipeline.device import row_block_of
 from input_pipeline.errors import DataError
@@ -113,16 +113,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def compile_cache(tmp_path_factory) -> dict[str, str]:
-    """A persistent compilation cache for this session's 2-process runs, which all run the same
-    programs on the same 2 x 4 devices: only the first one compiles (saves ~20 s a run here)."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "jax-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import compile_cache
 from test_multihost import (
     RTOL,
     STEPS,
-    compile_cache,
     cpu_env,
     eval_losses_of,
     free_port,
