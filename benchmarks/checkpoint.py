@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 
+from benchmarks._cli import positive_int, repo_file, run_main
 from benchmarks._synthetic import synthetic_batch
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
@@ -62,17 +64,18 @@ def busy_steps(step, state, batch, background: Checkpointer, limit: int) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default="configs/125m.yaml")
-    parser.add_argument("--rounds", type=int, default=3, help="async saves timed")
-    parser.add_argument("--steps", type=int, default=10, help="quiet steps per window")
+    parser.add_argument("--config", default=repo_file("configs/125m.yaml"))
+    parser.add_argument("--rounds", type=positive_int, default=3, help="async saves timed")
+    parser.add_argument("--steps", type=positive_int, default=10, help="quiet steps per window")
     parser.add_argument(
-        "--max-busy", type=int, default=40, help="at most this many steps overlap one write"
+        "--max-busy",
+        type=positive_int,
+        default=40,
+        help="at most this many steps overlap one write",
     )
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--batch", type=positive_int, default=2)
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1:
-        parser.error("--rounds and --steps must be at least 1")
     config = load_config(
         args.config,
         [
@@ -151,4 +154,4 @@ def report(sync_s: float, blocks: list[float], quiet: list[list], busy: list[lis
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

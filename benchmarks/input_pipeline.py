@@ -38,6 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
+from benchmarks._cli import positive_int, repo_file, run_main  # noqa: E402
 from benchmarks.input_rate import (  # noqa: E402
     configured_batches,
     iterator_rate,
@@ -308,11 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--batches", type=int, default=600, help="timed batches per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=1000, help="synthetic steps for (4)")
-    parser.add_argument("--raw-records", type=int, default=20000, help="records per raw round")
+    parser.add_argument("--config", default=repo_file("configs/demo.yaml"))
+    parser.add_argument("--batches", type=positive_int, default=600, help="timed batches per round")
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=1000, help="synthetic steps for (4)")
+    parser.add_argument(
+        "--raw-records", type=positive_int, default=20000, help="records per raw round"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value, applied after 64x1024")
     args = parser.parse_args(argv)
     flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read absl flags
@@ -322,4 +325,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

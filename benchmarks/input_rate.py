@@ -23,6 +23,7 @@ import grain  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
+from benchmarks._cli import positive_int, repo_file  # noqa: E402
 from input_pipeline.corpora import resolve_dataset  # noqa: E402
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info  # noqa: E402
 from input_pipeline.errors import DataError  # noqa: E402
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--batches", type=int, default=50)
+    parser.add_argument("--config", default=repo_file("configs/demo.yaml"))
+    parser.add_argument("--batches", type=positive_int, default=50)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read absl flags

@@ -41,6 +41,7 @@ import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 import jax.numpy as jnp
 
+from benchmarks._cli import non_negative_int, positive_int, repo_file, run_main
 from benchmarks._synthetic import synthetic_batch
 from trainer import run
 from trainer.checkpoint import Checkpointer
@@ -65,7 +66,7 @@ NULL_MODEL = [
 # The real shapes of issue 27, run by `trainer.train.run` on the built-in corpus.
 REAL_SHAPES = {
     "10.8m": (
-        "configs/demo.yaml",
+        repo_file("configs/demo.yaml"),
         [
             "model.num_layers=6",
             "model.num_heads=6",
@@ -77,10 +78,13 @@ REAL_SHAPES = {
             "data.global_batch_size=64",
         ],
     ),
-    "124m": ("configs/125m.yaml", ["data.seq_len=1024", "data.global_batch_size=32"]),
-    "1b": ("configs/1b.yaml", ["data.seq_len=2048", "data.global_batch_size=64"]),
+    "124m": (repo_file("configs/125m.yaml"), ["data.seq_len=1024", "data.global_batch_size=32"]),
+    "1b": (repo_file("configs/1b.yaml"), ["data.seq_len=2048", "data.global_batch_size=64"]),
     # a CPU-sized stand-in that runs the same code path (the smoke test uses it)
-    "tiny": ("configs/demo.yaml", [*NULL_MODEL, "data.seq_len=64", "data.global_batch_size=8"]),
+    "tiny": (
+        repo_file("configs/demo.yaml"),
+        [*NULL_MODEL, "data.seq_len=64", "data.global_batch_size=8"],
+    ),
 }
 
 
@@ -155,7 +159,7 @@ def null_program(config: Config) -> TrainProgram:
 
 def null_config(workdir: str, batch: int, seq_len: int, steps: int) -> Config:
     return load_config(
-        "configs/demo.yaml",
+        repo_file("configs/demo.yaml"),
         [
             *NULL_MODEL,
             f"run.workdir={workdir}",
@@ -210,7 +214,7 @@ def loop_cost(batch: int, seq_len: int, steps: int, warmup: int = 20) -> LoopCos
 
 
 def config_log_every() -> int:
-    return load_config("configs/demo.yaml").log.every
+    return load_config(repo_file("configs/demo.yaml")).log.every
 
 
 def bare_seconds_per_step(batch: int, seq_len: int, steps: int) -> tuple[float, float]:
@@ -271,7 +275,7 @@ def first_save_blocks(width: int, warm: bool, saves: int = 3) -> list[float]:
     written before the next; with `warm`, after `Checkpointer.warm_up` (written too, as it is
     long before the first save of a run)."""
     config = load_config(
-        "configs/demo.yaml",
+        repo_file("configs/demo.yaml"),
         [
             *NULL_MODEL,
             f"model.d_model={width}",
@@ -362,7 +366,7 @@ def recipe_wall_s() -> float:
     shape = [o for o in REAL_SHAPES["10.8m"][1] if not o.startswith("data.")]
     with tempfile.TemporaryDirectory() as workdir:
         config = load_config(
-            "configs/demo.yaml",
+            repo_file("configs/demo.yaml"),
             [
                 *shape,
                 "data.seq_len=256",
@@ -423,7 +427,7 @@ def step_cost(compute: str, batch: int, seq_len: int) -> dict[str, float]:
     """XLA's cost analysis of the compiled train step of configs/125m.yaml on this backend:
     bytes accessed, flops, and how many fusions (kernels, on a GPU) it runs."""
     config = load_config(
-        "configs/125m.yaml",
+        repo_file("configs/125m.yaml"),
         [
             "mesh.data=-1",
             "mesh.fsdp=1",
@@ -460,20 +464,23 @@ def precision_report(batch: int, seq_len: int) -> None:
 
 
 def shape(text: str) -> tuple[int, int]:
+    """An argparse type: `BxL`, a batch and a sequence length of one at least."""
     batch, _, seq_len = text.partition("x")
-    return int(batch), int(seq_len)
+    return positive_int(batch), positive_int(seq_len)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=2000, help="timed null steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=positive_int, default=2000, help="timed null steps per round"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument(
         "--shapes", nargs="*", type=shape, default=[(64, 256), (32, 1024)], help="BxL null steps"
     )
     parser.add_argument(
         "--first-save-width",
-        type=int,
+        type=non_negative_int,
         default=768,
         help="model width of the first-save state (768: ~500 MB); 0 skips that part",
     )
@@ -484,7 +491,7 @@ def main() -> None:
         help="real-loop shapes to time against their bare step (default on an accelerator: "
         "10.8m 124m 1b; none on CPU)",
     )
-    parser.add_argument("--real-steps", type=int, default=60)
+    parser.add_argument("--real-steps", type=positive_int, default=60)
     parser.add_argument("--set", nargs="*", default=[], help="overrides for the real shapes")
     parser.add_argument(
         "--recipe", action="store_true", help="the 5000-step Shakespeare recipe's wall time"
@@ -517,4 +524,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
@@ -21,6 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from benchmarks._cli import positive_int, repo_file, run_main
 from trainer.config import Config, load_config
 from trainer.models import build_model
 from trainer.models.matmul import mixed_precision_dot_general
@@ -82,9 +84,11 @@ def seconds_per_step(step, state: list, batch: dict, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/nanogpt_cpu.yaml")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--config", default=repo_file("configs/nanogpt_cpu.yaml"))
+    parser.add_argument(
+        "--steps", type=positive_int, default=50, help="timed steps per variant and round"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=7)
     args = parser.parse_args()
     config = load_config(args.config, [])
     vocab_size = config.model.vocab_size or 256  # byte-level datasets
@@ -110,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

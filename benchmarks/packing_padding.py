@@ -24,6 +24,7 @@ from pathlib import Path
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 from absl import flags
 
+from benchmarks._cli import positive_int, run_main
 from input_pipeline.corpora import default_cache_dir, python_docstring_documents, resolve_dataset
 from input_pipeline.dataset_info import INFO_FILE, DatasetInfo, load_dataset_info
 from input_pipeline.pipeline import make_batch_iterator, memory_source
@@ -82,19 +83,24 @@ def padding(info: DatasetInfo, source, seq_len: int, batch_size: int, packing: s
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 1024, 2048])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument(
-        "--bounds", type=int, nargs="+", default=[2, 4, 6, 8, 16, 18, 20, 24, 32, 34, 36, 40, 64]
+        "--bounds",
+        type=positive_int,
+        nargs="+",
+        default=[2, 4, 6, 8, 16, 18, 20, 24, 32, 34, 36, 40, 64],
     )
-    parser.add_argument("--packings", nargs="+", default=["concat", "first_fit"])
+    parser.add_argument(
+        "--packings", nargs="+", choices=["concat", "first_fit"], default=["concat", "first_fit"]
+    )
     parser.add_argument(
         "--corpora",
         nargs="+",
         default=["python-stdlib", "sentences"],
         help="python-stdlib, sentences, or prepared dataset folders",
     )
-    parser.add_argument("--batch-size", type=int, default=32, help="rows per batch (bins)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="rows per batch (bins)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: built-ins' cache")
     return parser.parse_args()
 
@@ -127,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -23,6 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import _repo_root  # noqa: E402, F401  (before any project import: see its docstring)
 import jax  # noqa: E402
 
+from benchmarks._cli import positive_int, run_main  # noqa: E402
 from benchmarks._synthetic import synthetic_batch  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.models import builder_for_vocab  # noqa: E402
@@ -31,6 +33,7 @@ from trainer.parallel.pipeline import bubble_fraction  # noqa: E402
 from trainer.program import build_program  # noqa: E402
 
 VOCAB = 256
+DEVICES = 4  # the fake CPU devices every case runs on
 MODEL = [
     "model.d_model=128",
     "model.num_heads=4",
@@ -44,20 +47,25 @@ MODEL = [
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stages", type=positive_int, default=4, help="1, 2 or 4")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per round")
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=512")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if DEVICES % args.stages:
+        parser.error(
+            f"argument --stages: {args.stages} does not divide the {DEVICES} devices; use 1, 2 or 4"
+        )
+    return args
 
 
 def make_step(stages: int, microbatches: int, layers: int, overrides: list[str]):
     """A compiled step and a state and batch for it; stages=1 is the unpipelined baseline."""
-    mesh_keys = [f"mesh.stage={stages}", f"mesh.data={4 // stages}"]
+    mesh_keys = [f"mesh.stage={stages}", f"mesh.data={DEVICES // stages}"]
     if stages > 1:
         mesh_keys.append(f"pipeline.microbatches={microbatches}")
     config = load_config(None, [*MODEL, f"model.num_layers={layers}", *mesh_keys, *overrides])
-    mesh = sharding.make_mesh(config.mesh, jax.devices()[:4])
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:DEVICES])
     program = build_program(config, mesh, builder_for_vocab(config, VOCAB))
     batch = synthetic_batch(config, VOCAB)
     with jax.set_mesh(mesh):
@@ -102,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

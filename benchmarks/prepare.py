@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import numpy as np
+
+from benchmarks._cli import REPO_ROOT, non_negative_int, positive_int, run_main
 
 WORDS = sorted(set(__doc__.split()))  # English-like words with code-like tokens mixed in
 
@@ -142,20 +145,27 @@ def run_prepare(
         *(["--group-mb", str(group_mb)] if group_mb else []),
     ]
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True
-    )
+    # in the caller's folder, where --dir and --tokenizer name their paths: this checkout's code
+    proc = subprocess.Popen(cmd, env=with_repo_on_path(), stderr=subprocess.PIPE, text=True)
     peak_sum = peak_one = 0
     while proc.poll() is None:
         total, largest = tree_rss(proc.pid)
         peak_sum, peak_one = max(peak_sum, total), max(peak_one, largest)
         time.sleep(0.1)
     seconds = time.perf_counter() - start
-    if proc.returncode:
-        raise SystemExit(f"prepare failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+    if proc.returncode:  # its own line (exit 2: a user's mistake, such as a missing tokenizer)
+        print(f"prepare failed: {proc.stderr.read().strip()[-2000:]}", file=sys.stderr)
+        raise SystemExit(proc.returncode)
     info = json.loads((output / "dataset.json").read_text())
     tokens = sum(split["tokens"] for split in info["splits"].values())
     return {"seconds": seconds, "tokens": tokens, "peak_rss": peak_sum, "peak_one": peak_one}
+
+
+def with_repo_on_path() -> dict[str, str]:
+    """The environment with this checkout first on PYTHONPATH: `python -m input_pipeline.prepare`
+    runs its code from whatever folder it is started in."""
+    paths = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 BURN = "total = 0\nfor i in range({n}): total += i"
@@ -244,16 +254,32 @@ def files_table(args: argparse.Namespace, root: Path) -> None:
         )
 
 
+def positive_float(text: str) -> float:
+    """An argparse type for a size in GB or MB: above zero."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a size above 0")
+    return value
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.5, 5.0])
-    parser.add_argument("--files", type=int, nargs="+", help="file counts to compare instead")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-gb", type=positive_float, nargs="+", default=[0.5, 5.0])
     parser.add_argument(
-        "--workers", type=int, nargs="+", default=[1, 2], help="0: prepare's default"
+        "--files", type=positive_int, nargs="+", help="file counts to compare instead"
     )
-    parser.add_argument("--file-mb", type=float, default=64.0, help="size of each input file")
-    parser.add_argument("--group-mb", type=float, help="prepare's --group-mb (default: its own)")
-    parser.add_argument("--repeat", type=int, default=1, help="--files runs per point (median)")
+    parser.add_argument(
+        "--workers", type=non_negative_int, nargs="+", default=[1, 2], help="0: prepare's default"
+    )
+    parser.add_argument(
+        "--file-mb", type=positive_float, default=64.0, help="size of each input file"
+    )
+    parser.add_argument(
+        "--group-mb", type=positive_float, help="prepare's --group-mb (default: its own)"
+    )
+    parser.add_argument(
+        "--repeat", type=positive_int, default=1, help="--files runs per point (median)"
+    )
     parser.add_argument("--dir", default="/tmp/prepare-bench", help="scratch folder")
     parser.add_argument("--tokenizer", default="byte", help="byte, or a SentencePiece .model")
     parser.add_argument("--keep", action="store_true", help="keep the corpora and datasets")
@@ -265,4 +291,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -29,6 +29,7 @@ from pathlib import Path
 import _repo_root  # noqa: F401  (before any project import: see its docstring)
 import jax
 
+from benchmarks._cli import positive_int, repo_file, run_main
 from benchmarks._synthetic import synthetic_batch
 from trainer import run
 from trainer.config import Config, load_config
@@ -121,13 +122,22 @@ def other_checkout_step_seconds(checkout: str, config_path: str, steps: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=3, help="trainer/bare pairs per config")
+    parser.add_argument("--steps", type=positive_int, default=60)
     parser.add_argument(
-        "--configs", nargs="+", default=["configs/demo.yaml", "configs/nanogpt_cpu.yaml"]
+        "--rounds", type=positive_int, default=3, help="trainer/bare pairs per config"
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=[repo_file("configs/demo.yaml"), repo_file("configs/nanogpt_cpu.yaml")],
     )
     parser.add_argument("--against", help="another checkout whose trainer step to time alongside")
     args = parser.parse_args()
+    if args.against and not (Path(args.against) / "benchmarks/train_step.py").is_file():
+        parser.error(
+            f"argument --against: {args.against} has no benchmarks/train_step.py; give a "
+            "checkout of this project (git worktree add DIR COMMIT)"
+        )
     print(f"devices: {jax.devices()}")
     c4, c32 = compile_seconds(args.configs[0], 4), compile_seconds(args.configs[0], 32)
     print(
@@ -182,4 +192,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

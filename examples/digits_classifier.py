@@ -29,6 +29,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 import trainer  # noqa: E402
 
 PIXELS, CLASSES = 64, 10
+USAGE_EXIT = 2  # a user's mistake: one line naming it, as `python -m trainer.main` does
 
 
 def write_split(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
@@ -91,14 +92,27 @@ def test_accuracy(params, test: grain.MapDataset) -> float:
     return float(jnp.mean(jnp.argmax(model(batch["x"]), -1) == batch["y"]))
 
 
+def steps(text: str) -> int:
+    """An argparse type: a number of steps, one at least."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=steps, default=400)
     parser.add_argument("--workdir", default="workdirs/digits")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     data_dir = workdir / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(
+            f"argument --workdir: cannot make {data_dir} ({err.strerror}); choose a folder"
+        )
 
     digits = load_digits()
     order = np.random.default_rng(0).permutation(len(digits.target))
@@ -139,5 +153,16 @@ def main(argv: list[str] | None = None) -> float:
     return accuracy
 
 
+def cli() -> int:
+    """`main` as a command: the trainer's user errors (a checkpoint of another model in
+    --workdir, a damaged one) are one line and exit 2, not a traceback."""
+    try:
+        main()
+    except (trainer.ConfigError, trainer.DataError, trainer.TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return USAGE_EXIT
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -5,7 +5,9 @@
 
 GPT-J / PaLM-style *parallel* block: attention and MLP read the same normalized input and their
 outputs are summed, `x + attn(norm(x)) + mlp(norm(x))`. It reuses the built-in layers (which
-already name their axes logically), so sharding, bf16 and checkpoints work unchanged.
+already name their axes logically), so sharding, bf16 and checkpoints work unchanged. It has no
+dropout and no rematerialization, and attends with the XLA kernel: `model.dropout`, `model.remat`
+and `model.attention=cudnn` are refused with one line rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.config import ModelConfig
+from trainer.errors import ConfigError
 from trainer.models.layers import (
     Attention,
     PackedLayout,
@@ -65,7 +68,24 @@ class ParallelLM(nnx.Module):
         return self.embed.attend(self.norm(x)).astype(jnp.float32)  # tied output embedding
 
 
+def refuse_what_it_ignores(config: ModelConfig) -> None:
+    """The built-in transformer's settings this block does not implement are one line, since
+    `model.dropout=0.2` would otherwise train without dropout and say nothing."""
+    settings = [  # key, value, whether the block would ignore it, the value to set instead
+        ("model.dropout", config.dropout, config.dropout != 0, "0"),
+        ("model.remat", config.remat, config.remat != "none", "none"),
+        ("model.attention", config.attention, config.attention == "cudnn", "auto"),
+    ]
+    for key, value, ignored, fix in settings:
+        if ignored:
+            raise ConfigError(
+                f"{key}={value}: this parallel block (examples/parallel_block.py) does not "
+                f"implement it; set {key}={fix}, or add it to the block"
+            )
+
+
 def build(config: ModelConfig, *, vocab_size, rngs, compute_dtype, param_dtype) -> ParallelLM:
     """The factory `model.kind=parallel_block:build` names; shape keys come from `model.*`."""
+    refuse_what_it_ignores(config)
     spec = TransformerSpec.from_config(config, vocab_size, compute_dtype, param_dtype)
     return ParallelLM(spec, rngs=rngs)

@@ -58,7 +58,8 @@ fi
 case $device in
   gpu)
     if ((gpus < num_processes)); then
-      echo "local.sh: LOCAL_DEVICE=gpu but $gpus GPUs for $num_processes processes" >&2
+      echo "local.sh: LOCAL_DEVICE=gpu but nvidia-smi lists $gpus GPU(s) for $num_processes" \
+        "processes; start fewer processes, or set LOCAL_DEVICE=cpu" >&2
       exit 2
     fi
     per_process=$((gpus / num_processes)) ;;
@@ -78,7 +79,9 @@ case $device in
     export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
     # huge pages for XLA:CPU's large per-step temporaries (README "Running on CPU")
     export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1} ;;
-  *) echo "local.sh: LOCAL_DEVICE=$device is neither cpu nor gpu" >&2; exit 2 ;;
+  *)
+    echo "local.sh: LOCAL_DEVICE=$device is neither cpu nor gpu; set it to one of them" >&2
+    exit 2 ;;
 esac
 
 free_port='import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'

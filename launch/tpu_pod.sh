@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Training on a Cloud TPU pod slice: the same command on every TPU VM worker at once, one
-# process per VM (all of its chips). JAX_DISTRIBUTED_AUTO=1 makes trainer/parallel/distributed.py call
-# jax.distributed.initialize() without arguments: JAX reads the worker id, the worker count and
-# the coordinator (worker 0) from the TPU metadata server.
+# process per VM (all of its chips). JAX_DISTRIBUTED_AUTO=1 makes trainer/parallel/distributed.py
+# call jax.distributed.initialize() without arguments: JAX reads the worker id, the worker count
+# and the coordinator (worker 0) from the TPU metadata server.
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE [--config configs/1b.yaml] [section.key=value ...]
 #
@@ -19,6 +19,11 @@ set -euo pipefail
 
 if [[ $# -lt 2 ]]; then
   echo "usage: launch/tpu_pod.sh TPU_NAME ZONE [--config FILE] [section.key=value ...]" >&2
+  exit 2
+fi
+if ! command -v gcloud >/dev/null; then
+  echo "tpu_pod.sh: gcloud is not a command here; install the Google Cloud CLI and log in" \
+    "(gcloud auth login)" >&2
   exit 2
 fi
 tpu=$1
