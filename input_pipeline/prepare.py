@@ -160,6 +160,10 @@ def prepare_files(
             f"--group-mb {group_mb} is not a positive size; give MB of input per "
             f"group, e.g. the default {DEFAULT_GROUP_MB:g}"
         )
+    if num_shards < 1:
+        raise DataError(f"--num-shards {num_shards} writes no shard; give at least 1 (default 4)")
+    if workers is not None and workers < 0:
+        raise DataError(f"--workers {workers} is not a count; give 1 or more (0: every core)")
     if num_parts < 1 or not 0 <= part < num_parts:
         raise DataError(f"--part {part} is not in 0..{num_parts - 1} (--num-parts {num_parts})")
     eval_files = input_files(eval_inputs, "--eval-input") if eval_inputs else []
@@ -284,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="arrayrecord", choices=list(FORMATS))
     parser.add_argument("--num-shards", type=int, default=4, help="shards per group and split")
     parser.add_argument("--max-record-tokens", type=int, default=DEFAULT_MAX_RECORD_TOKENS)
-    parser.add_argument("--workers", type=int, help="tokenizing processes (default: every core)")
+    parser.add_argument(
+        "--workers", type=int, help="tokenizing processes (default, or 0: every core)"
+    )
     parser.add_argument(
         "--group-mb", type=float, default=DEFAULT_GROUP_MB, help="input per resumable group"
     )

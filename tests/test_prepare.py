@@ -311,11 +311,14 @@ def test_every_arrow_text_type_reads_as_text(tmp_path, capsys, encoding):
         (["--group-mb", "0"], "--group-mb 0.0 is not a positive size"),
         (["--max-record-tokens", "0"], "--max-record-tokens 0 leaves no next-token pair"),
         (["--max-record-tokens", "1"], "--max-record-tokens 1 leaves no next-token pair"),
+        (["--num-shards", "0"], "--num-shards 0 writes no shard; give at least 1"),
+        (["--workers", "-3"], "--workers -3 is not a count; give 1 or more (0: every core)"),
     ],
 )
 def test_sizes_prepare_cannot_use_are_refused_in_one_line(tmp_path, capsys, option, message):
     """Before: nan/inf --group-mb and --max-record-tokens 0 were tracebacks, 0 MB groups cut
-    every JSONL line into a group of its own, and --max-record-tokens 1 blamed empty input."""
+    every JSONL line into a group of its own, --max-record-tokens 1 blamed empty input, and
+    --num-shards 0 and --workers -3 silently ran as 1."""
     (tmp_path / "doc.txt").write_text(texts(1)[0])
     out = tmp_path / "out"
     assert prepare_main(["--input", str(tmp_path / "doc.txt"), "--output", str(out), *option]) == 2
