@@ -96,6 +96,8 @@ def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root, 
     stopped_at = saved_steps(workdir)[-1]
     assert 5 <= stopped_at < 40
     assert f"stopped by SIGTERM at step {stopped_at}" in stderr
+    last = f"finished at step {stopped_at} of 40: stopped early, re-run the same command to resume"
+    assert stderr.strip().splitlines()[-1] == last, "not a plain 'finished' short of run.steps"
 
     resumed = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -79,6 +79,8 @@ def train(config: Config) -> str:
         quiet_asyncio()
         return stop.line()
     summary = f"finished at step {result.step}"
+    if result.step < config.run.steps:  # a stop request: the loop saved and said so
+        summary += f" of {config.run.steps}: stopped early, re-run the same command to resume"
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
     return summary
