@@ -2,6 +2,8 @@
 step and halves the scale, the scale grows back, accumulation matches one batch, and a scale
 that collapses stops the run with one line."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,3 +167,32 @@ def test_a_collapsed_scale_stops_the_run_with_one_line(corpus, host_batches, tmp
     message = str(caught.value)
     assert "\n" not in message
     assert "at step 3" in message and "loss_scale_min" in message and "optim.lr" in message
+
+
+def test_a_resume_may_change_precision_and_a_layout_change_is_one_line(corpus, tmp_path):
+    """The overflow line advises bf16 or fp32; before, following it renamed every checkpoint
+    to `<step>.damaged` (the saved loss scale made the state's tree differ) and exited 2 with
+    'start fresh with another run.workdir', as did float16 after fp32, and `optim.clip_norm`
+    null after a number."""
+    from trainer.errors import ConfigError
+
+    def session(steps, *overrides):
+        every = ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false"]
+        paths = [f"data.path={corpus}", f"run.workdir={tmp_path}", f"run.steps={steps}"]
+        trainer.run(load_config(None, [*TINY, *paths, *every, *overrides]))
+
+    session(2, "precision.compute=float16")
+    session(4, "precision.compute=float32")  # the float16 scale is dropped
+    session(6, "precision.compute=float16")  # a fresh scale after fp32
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scales = {r["step"]: r.get("loss_scale") for r in rows if "loss" in r}
+    initial = PrecisionConfig().loss_scale_init
+    assert scales == {1: initial, 2: initial, 3: None, 4: None, 5: initial, 6: initial}
+
+    with pytest.raises(ConfigError) as refused:
+        session(8, "precision.compute=float16", "optim.clip_norm=null")
+    assert f"checkpoint {tmp_path / 'checkpoints/6'} holds optimizer or model state laid out " in (
+        str(refused.value)
+    )
+    assert "(optim.clip_norm: saved 1.0, now null); resume with the settings" in str(refused.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4", "6"]

@@ -26,6 +26,7 @@ from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
 from trainer.config import CheckpointConfig, Config, config_from_dict
 from trainer.errors import ConfigError, TrainingError
+from trainer.loss_scale import LossScale, uses_loss_scale
 from trainer.parallel.state import TrainState
 
 T = TypeVar("T")
@@ -39,6 +40,35 @@ def _train_part(state: TrainState) -> dict[str, Any]:
     if state.loss_scale is not None:  # float16 runs: the scale resumes where it was
         part["loss_scale"] = state.loss_scale
     return part
+
+
+def _saved_a_loss_scale(meta: dict[str, Any], target: TrainState) -> bool:
+    """Whether the step's train item holds a loss scale: its run computed in float16 (a
+    checkpoint written without the run's config, by a caller of `save`: as `target`)."""
+    if "config" not in meta:
+        return target.loss_scale is not None
+    return uses_loss_scale(meta["config"]["precision"]["compute"])
+
+
+def _abstract_loss_scale(replicated: jax.sharding.Sharding) -> LossScale:
+    """A saved float16 loss scale's restore target, whatever this run's precision."""
+    return LossScale(
+        scale=jax.ShapeDtypeStruct((), np.float32, sharding=replicated),
+        clean_steps=jax.ShapeDtypeStruct((), np.int32, sharding=replicated),
+    )
+
+
+def _changed_keys(
+    saved: dict[str, Any], now: dict[str, Any], sections: tuple[str, ...]
+) -> list[tuple[str, Any, Any]]:
+    """`(section.key, saved value, run's value)` for every key of `sections` that differs."""
+    return [
+        (f"{section}.{key}", value, now[section].get(key))
+        for section in sections
+        if section in now
+        for key, value in saved.get(section, {}).items()
+        if value != now[section].get(key)
+    ]
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -292,19 +322,37 @@ class Checkpointer:
         meta = self.read_meta(step)
         return config_from_dict(meta["config"]).derive({"model.vocab_size": meta["vocab_size"]})
 
-    def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict | None]:
+    def restore(
+        self, step: int, target: TrainState, run_config: dict[str, Any] | None = None
+    ) -> tuple[TrainState, dict | None]:
         """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load), memory
         kinds included: offloaded parts (`trainer.parallel.offload`) are read straight into
         pinned host memory, never through the device memory they were offloaded to spare (orbax
-        0.12 passes the memory kind through: no memory-kind mismatch, tests/test_offload.py)."""
-        self._check_shapes(step, target.params, RESUME_ANOTHER_MODEL)
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(target.params),
-                train=ocp.args.StandardRestore(_train_part(target)),
-            ),
-        )
+        0.12 passes the memory kind through: no memory-kind mismatch, tests/test_offload.py).
+
+        The loss scale is read as saved, whatever this run's precision: the state's
+        `loss_scale` is the checkpoint's (None when it computed in bf16/fp32), for the caller
+        to keep or replace. Any other change of the state's layout (`run_config`, the run's
+        config, against the saved one) is one line, and the checkpoint is left in place."""
+        meta = self.read_meta(step)
+        self._check_shapes(step, target.params, RESUME_ANOTHER_MODEL, meta)
+        part = _train_part(target)
+        part.pop("loss_scale", None)
+        if _saved_a_loss_scale(meta, target):
+            part["loss_scale"] = _abstract_loss_scale(target.step.sharding)
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(target.params),
+                    train=ocp.args.StandardRestore(part),
+                ),
+            )
+        except ValueError as err:
+            if not _mentions(str(err), ("tree structures do not match",)):
+                raise
+            saved = meta.get("config", {})
+            raise ConfigError(self._layout_changed(step, saved, run_config)) from None
         train = restored.train
         state = TrainState(
             step=train["step"],
@@ -327,8 +375,27 @@ class Checkpointer:
         )
         return restored.params
 
-    def _check_shapes(self, step: int, target_params: Any, fix: str) -> None:
-        saved = self.read_meta(step).get("param_shapes")
+    def _layout_changed(
+        self, step: int, saved: dict[str, Any], run_config: dict[str, Any] | None
+    ) -> str:
+        """The line for a checkpoint whose optimizer or model state is laid out otherwise than
+        this run's (`optim.clip_norm` null against a number, `model.dropout` 0 against more)."""
+        where = self.directory / str(step)
+        changed = _changed_keys(saved, run_config or {}, ("model", "optim"))
+        keys = "; ".join(
+            f"{k}: saved {json.dumps(a)}, now {json.dumps(b)}" for k, a, b in changed[:4]
+        )
+        which = f" ({keys})" if keys else ""
+        return (
+            f"checkpoint {where} holds optimizer or model state laid out otherwise than this "
+            f"run's{which}; resume with the settings it was saved with, or start a new "
+            f"run.workdir with checkpoint.init_from={self.directory.parent} to keep its weights"
+        )
+
+    def _check_shapes(
+        self, step: int, target_params: Any, fix: str, meta: dict[str, Any] | None = None
+    ) -> None:
+        saved = (meta or self.read_meta(step)).get("param_shapes")
         if not isinstance(saved, dict):  # every save writes them: the metadata is damaged
             raise ValueError("its meta/ item records no parameter shapes")
         wanted = param_shapes(target_params)

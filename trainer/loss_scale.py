@@ -18,6 +18,11 @@ from flax import struct
 from trainer.config import PrecisionConfig
 
 
+def uses_loss_scale(compute: str) -> bool:
+    """Whether `precision.compute` scales its loss: float16 only (so its state holds a scale)."""
+    return compute == "float16"
+
+
 @struct.dataclass
 class LossScale:
     """The scale and its counter: part of the train state, so a resume continues exactly."""
@@ -38,7 +43,7 @@ class LossScaling:
     @classmethod
     def from_config(cls, config: PrecisionConfig) -> LossScaling | None:
         """The policy for float16 compute; None for bf16 and fp32, which need none."""
-        if config.compute != "float16":
+        if not uses_loss_scale(config.compute):
             return None
         return cls(
             initial=config.loss_scale_init,

@@ -37,7 +37,8 @@ class NonFiniteStop:
             raise TrainingError(
                 f"float16 gradients overflowed at step {step} even at the minimum loss scale "
                 f"(precision.loss_scale_min={floor:g}); {NOT_SAVED}. Lower optim.lr, or train "
-                "in precision.compute=bfloat16 (GPUs with bf16) or float32"
+                "in precision.compute=bfloat16 (GPUs with bf16) or float32 (a re-run with "
+                "either resumes from the last checkpoint)"
             )
         if self.skip_nonfinite or (np.isfinite(loss) and metrics["params_finite"] == 1.0):
             return

@@ -80,9 +80,7 @@ def run(
         make_workdir(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
-            state, start_step = restore_or_init(
-                config.checkpoint.init_from, checkpointer, program, spec, sources.train
-            )
+            state, start_step = restore_or_init(config, checkpointer, program, spec, sources.train)
         write_run_config(config)  # once a refused resume can no longer overwrite the run's own
         writer = open_writer(config, start_step)
         announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
@@ -250,7 +248,7 @@ def run_metadata(
 
 
 def restore_or_init(
-    init_path: str | None,
+    config: Config,
     checkpointer: Checkpointer,
     program: TrainProgram,
     spec: ModelSpec,
@@ -258,18 +256,32 @@ def restore_or_init(
 ) -> tuple[TrainState, int]:
     """Newest checkpoint that restores (state + data position), or a fresh sharded init.
     Damaged checkpoints are moved aside; a run never starts afresh over them. Without either,
-    `init_path` (`checkpoint.init_from`) names the run or folder whose parameters start it."""
+    `checkpoint.init_from` names the run or folder whose parameters start it."""
     if checkpointer.latest_step() is None and not checkpointer.damaged():
-        if init_path:
-            return init_from(init_path, program, spec), 0
+        if config.checkpoint.init_from:
+            return init_from(config.checkpoint.init_from, program, spec), 0
         return program.init(), 0
     target = program.abstract_state()
     step, (state, data_state) = checkpointer.restore_newest(
-        lambda step: checkpointer.restore(step, target)
+        lambda step: checkpointer.restore(step, target, config.to_dict())
     )
     if data_state is not None and resumes_position(train_iter):
         train_iter.set_state(data_state)  # else it starts again; `announce` says so
-    return state, step
+    return with_this_runs_loss_scale(state, program), step
+
+
+def with_this_runs_loss_scale(state: TrainState, program: TrainProgram) -> TrainState:
+    """A resume across a change of `precision.compute` (as the float16 overflow line advises):
+    a float16 checkpoint's scale is dropped for bf16/fp32, and float16 after bf16/fp32 starts
+    at `precision.loss_scale_init`; float16 after float16 goes on with the saved one."""
+    scaling = program.settings.scaling
+    if scaling is None:
+        return state.replace(loss_scale=None)
+    if state.loss_scale is not None:
+        return state
+    with jax.set_mesh(program.mesh):
+        fresh = jax.jit(scaling.init, out_shardings=program.shardings.loss_scale)()
+    return state.replace(loss_scale=fresh)
 
 
 def resumes_position(iterator: Any) -> bool:
