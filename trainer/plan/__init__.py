@@ -45,10 +45,10 @@ from trainer.plan.gpu import (
     traced_for,
 )
 from trainer.plan.report import CPU, Footprint, format_bytes, parse_size, report, verdict
+from trainer.plan.vocab import missing_dataset_note, planned_vocab
 from trainer.program import build_program
 
 USAGE_EXIT = 2
-DEFAULT_VOCAB = 256  # model.vocab_size unset: the built-in corpora's byte-level vocabulary
 COST_MODEL_GPU = "h100"  # whose rates price the suggestions when no --gpu is given
 
 
@@ -96,7 +96,7 @@ def measure(
     check_batch_layout(
         rows, config.optim.accum_steps, mesh.shape["data"] * mesh.shape["fsdp"], 1, microbatches
     )
-    vocab = config.model.vocab_size or DEFAULT_VOCAB
+    vocab = planned_vocab(config)  # the trainer's: model.vocab_size, else the dataset's
     with nullcontext() if target.gpu is None else traced_for(target.gpu):
         program = build_program(config, mesh, builder_for_vocab(config, vocab))
         state = program.abstract_state()
@@ -276,11 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_tries < 0:  # negative would never stop the search
             raise ConfigError(f"--max-tries {args.max_tries} is negative; pass 0 or more")
         config = load_config(args.config, args.overrides)
+        note = missing_dataset_note(config)
         devices = cpu_devices(args.devices)
         base, target = _measure_base(config, devices, args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT
+    if note:
+        print(note)
     print("\n".join(report(args.config, base, config)))
     print(verdict(base.total, budget), flush=True)
     if base.total <= budget:
