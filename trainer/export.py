@@ -28,7 +28,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import Config, DataConfig
 from trainer.errors import ConfigError, TrainingError
 from trainer.generate import run_tokenizer
-from trainer.hf.config import CONFIG_FILE
+from trainer.hf.config import CONFIG_FILE, UNSET_CONTEXT
 from trainer.models import abstract_params, model_spec
 from trainer.models.spec import HfAdapter
 from trainer.parallel import sharding
@@ -92,11 +92,21 @@ def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple
 def write_hf_folder(out: Path, params: Any, config: Config, adapter: HfAdapter) -> Path:
     """`out` (new) holding `config`'s model (its `model.vocab_size` set) with `params`."""
     out.mkdir(parents=True)
-    hf = adapter.config_json(config.model, config.model.vocab_size, config.precision.params)
+    model = _covering_context(config).model
+    hf = adapter.config_json(model, model.vocab_size, config.precision.params)
     adapter.save_weights(params, out)
     hf.update(_copy_tokenizer(config.data, out))
     (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def _covering_context(config: Config) -> Config:
+    """`config` with a `model.max_seq_len` (config.json's max_position_embeddings) no shorter
+    than the `data.seq_len` it trained at: a re-import takes max_seq_len from config.json and
+    would refuse that data.seq_len."""
+    if config.model.max_seq_len or config.data.seq_len <= UNSET_CONTEXT:
+        return config
+    return config.derive({"model.max_seq_len": config.data.seq_len})
 
 
 def _copy_tokenizer(data: DataConfig, out: Path) -> dict[str, Any]:

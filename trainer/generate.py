@@ -30,7 +30,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import Config, DataConfig, load_config
 from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
-from trainer.hf.config import read_hf_config
+from trainer.hf.config import CONFIG_FILE, read_hf_config
 from trainer.models import abstract_params, model_spec
 from trainer.models.spec import Decoder
 from trainer.parallel import sharding
@@ -44,7 +44,7 @@ class Generator:
     decoder: Decoder
     mesh: jax.sharding.Mesh
     tokenizer: Any = None
-    eos_id: int | None = None
+    eos_id: int | Sequence[int] | None = None  # several: generation stops at any of them
 
     def generate(
         self,
@@ -55,18 +55,20 @@ class Generator:
         top_p: float = 0.95,
         seed: int = 0,
     ) -> np.ndarray:
-        """`max_new_tokens` ids after `prompt_ids` (cut after the end-of-text id, if known)."""
+        """`max_new_tokens` ids after `prompt_ids` (cut after the first end-of-text id, if
+        known)."""
         if not len(prompt_ids):
             raise ConfigError("the prompt encodes to no tokens; give a --prompt with some text")
-        check_settings(max_new_tokens, temperature, top_k, top_p)
+        check_settings(max_new_tokens, temperature, top_k, top_p, seed)
+        check_cache_fits(self, len(prompt_ids) + max_new_tokens)
         graphdef, state = nnx.split(self.model)
         settings = (max_new_tokens, float(temperature), top_k, float(top_p))
         run = _compiled(graphdef, self.decoder, self.mesh, *settings)
         prompt_1xP = jnp.asarray([list(prompt_ids)], jnp.int32)
         with jax.set_mesh(self.mesh):
             ids = np.asarray(run(state, prompt_1xP, jax.random.key(seed)))[0]
-        if self.eos_id is not None and (self.eos_id == ids).any():
-            ids = ids[: int(np.argmax(ids == self.eos_id)) + 1]
+        if self.eos_id is not None and (ends := np.isin(ids, self.eos_id)).any():
+            ids = ids[: int(np.argmax(ends)) + 1]
         return ids
 
     def complete(self, prompt: str, **settings: Any) -> str:
@@ -75,11 +77,49 @@ class Generator:
         return self.tokenizer.decode(ids)
 
 
-def check_settings(max_new_tokens: int, temperature: float, top_k, top_p: float) -> None:
+def check_cache_fits(generator: Generator, length: int) -> None:
+    """One line for a key/value cache of `length` positions larger than the devices' memory,
+    before XLA tries to allocate it (XLA:CPU may abort the process on that failure)."""
+    model = generator.model
+    cache = jax.eval_shape(lambda: generator.decoder.empty_cache(model, 1, length))
+    need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+    device = generator.mesh.local_devices[0]  # samples in training: the run's mesh, all hosts
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit is None:  # CPU devices: each holds a copy, all in the host's memory
+        limit, need = _host_memory_available(), need * generator.mesh.size
+    if need > limit:  # the cache alone: decoding needs more, which XLA may still refuse
+        raise TrainingError(
+            f"a key/value cache of {length} positions needs {need / 2**30:.1f} GiB, more than "
+            f"the devices' {limit / 2**30:.1f} GiB; lower --max-new-tokens (eval.sample_tokens "
+            "for samples in training) or shorten the prompt"
+        )
+
+
+def _host_memory_available() -> int:
+    """Bytes the host can still give (Linux's MemAvailable; elsewhere its physical memory)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_MAX_POSITION = 2**31 - 1  # positions are int32 on the device
+
+
+def check_settings(
+    max_new_tokens: int, temperature: float, top_k, top_p: float, seed: int = 0
+) -> None:
     """One line naming a sampling setting that would fail to compile or silently sample wrong
     (a negative temperature inverts the distribution; top-p 0 keeps no token)."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} is not a token count; pass 1 or more")
+    if max_new_tokens > _MAX_POSITION:
+        raise ConfigError(
+            f"--max-new-tokens {max_new_tokens} is past the last position the decoder counts "
+            f"to (int32); pass at most {_MAX_POSITION}"
+        )
     if not 0 <= temperature < math.inf:
         raise ConfigError(
             f"--temperature {temperature} is not a temperature; pass 0 (greedy) or a positive "
@@ -89,6 +129,8 @@ def check_settings(max_new_tokens: int, temperature: float, top_k, top_p: float)
         raise ConfigError(f"--top-k {top_k} is negative; pass 0 (no cut) or a count such as 50")
     if not 0 < top_p <= 1:
         raise ConfigError(f"--top-p {top_p} is outside (0, 1]; pass 1 (no cut) or e.g. 0.95")
+    if not -(2**63) <= seed < 2**63:
+        raise ConfigError(f"--seed {seed} does not fit in 64 bits; pass a smaller seed such as 0")
 
 
 def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k, top_p: float):
@@ -96,7 +138,7 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k, top
     distribution at that temperature."""
     if temperature == 0.0:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    logits_BxV = logits_BxV / temperature
+    logits_BxV = _tempered(logits_BxV, temperature)
     if top_k:
         kth_Bx1 = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][:, -1:]
         logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
@@ -108,6 +150,13 @@ def sample(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k, top
         cutoff_Bx1 = jnp.min(kept_BxV, axis=-1, keepdims=True)  # the top token is always kept
         logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
     return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def _tempered(logits_BxV: jax.Array, temperature: float) -> jax.Array:
+    """`logits / temperature` with the top logit at 0, so a tiny temperature sends the others to
+    -inf (near-greedy) instead of overflowing float32 to inf - inf = NaN."""
+    shifted_BxV = logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)
+    return jnp.where(shifted_BxV == 0, 0.0, shifted_BxV / temperature)
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,7 +213,11 @@ def _load_model(
     every device on the fsdp axis (weights split along `embed`), as many as divide it."""
     decoder = model_spec(config.model.kind).decoder
     if decoder is None:
-        raise ConfigError(f"generation needs model.kind=transformer, not {config.model.kind}")
+        raise ConfigError(
+            f"trainer.generate samples the built-in transformer, not model.kind="
+            f"{config.model.kind} (it has no key/value-cache decoder); export its parameters "
+            "with python -m trainer.export and sample them with your model's own code"
+        )
     devices = list(devices or jax.devices())
     count = math.gcd(len(devices), config.model.d_model)
     mesh_axes = {"mesh.stage": 1, "mesh.data": 1, "mesh.fsdp": count, "mesh.tensor": 1}
@@ -178,14 +231,20 @@ def _load_model(
 
 
 def _load_hf(folder: str, compute: str | None, devices) -> Generator:
+    if not (Path(folder) / CONFIG_FILE).is_file():  # read_hf_config would name init_from
+        lacks = f"no {CONFIG_FILE} there" if Path(folder).is_dir() else "no such folder"
+        raise ConfigError(
+            f"--workdir hf:{folder}: {lacks}; point it at a local Hugging Face model folder "
+            "(config.json + *.safetensors), or at a run's workdir without hf:"
+        )
     config = load_config(None, [f"checkpoint.init_from=hf:{folder}"])  # model.* of config.json
     read = functools.partial(model_spec(config.model.kind).hf.load_params, folder)
     generator = _load_model(config, compute, devices, read)
     tokenizer = None
     if (Path(folder) / HF_TOKENIZER_FILE).is_file():
         tokenizer = HFTokenizer(Path(folder) / HF_TOKENIZER_FILE)
-    eos = read_hf_config(folder).get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = read_hf_config(folder).get("eos_token_id")  # a list in chat models: stop at any
+    eos = tuple(eos) if isinstance(eos, list) else eos
     return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer) if eos is None else eos)
 
 
@@ -245,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute", choices=["bfloat16", "float16", "float32"], default=None)
     args = parser.parse_args(argv)
     try:
-        check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
         if not args.prompt:
             raise ConfigError("--prompt is empty; give some text for the model to continue")
         generator = load_generator(args.workdir, args.step, args.compute)
@@ -254,7 +313,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"no tokenizer for {args.workdir}: a Hugging Face folder needs tokenizer.json, "
                 "a run its dataset folder (data.path)"
             )
-        text = generator.complete(
+        text = _complete(generator, args)
+    except (ConfigError, DataError, TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(args.prompt + text)
+    return 0
+
+
+def _complete(generator: Generator, args: argparse.Namespace) -> str:
+    """The CLI's sample; a key/value cache (prompt + new tokens) too large for the devices is
+    one line naming the flags that size it."""
+    try:
+        return generator.complete(
             args.prompt,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -262,11 +333,14 @@ def main(argv: list[str] | None = None) -> int:
             top_p=args.top_p,
             seed=args.seed,
         )
-    except (ConfigError, DataError, TrainingError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(args.prompt + text)
-    return 0
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise TrainingError(
+            f"generating {args.max_new_tokens} tokens after a {len(args.prompt)}-character "
+            "prompt ran out of device memory (the key/value cache holds every position); "
+            "lower --max-new-tokens or shorten --prompt"
+        ) from None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from trainer.hf import hf_folder
 
 SUPPORTED_TYPES = ("llama", "mistral")
 CONFIG_FILE = "config.json"
+UNSET_CONTEXT = 4096  # max_position_embeddings written for a model without model.max_seq_len
 # The rope scalings the built-in transformer computes (trainer/models/rope.py), with the keys each
 # needs, as config.json spells them; `model.rope_scaling` is checked against the same list.
 ROPE_SCALING_KEYS = {
@@ -64,6 +65,11 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ConfigError(
             f"config.json rope type {kind!r} is not supported (rope_scaling.rope_type); "
             f"supported: default, {', '.join(ROPE_SCALING_KEYS)}"
+        )
+    if missing := [key for key in ROPE_SCALING_KEYS[kind] if scaling.get(key) is None]:
+        raise ConfigError(
+            f"config.json rope scaling of type {kind} lacks {', '.join(missing)}; restore the "
+            "file the model came with"
         )
     return theta, {"type": kind, **scaling}
 
@@ -192,7 +198,7 @@ def hf_config(model: Any, vocab_size: int, dtype: str = "float32") -> dict[str, 
         "num_key_value_heads": model.num_kv_heads or model.num_heads,
         "head_dim": model.head_dim or model.d_model // model.num_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": model.max_seq_len or 4096,
+        "max_position_embeddings": model.max_seq_len or UNSET_CONTEXT,
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
         "rope_scaling": scaling,

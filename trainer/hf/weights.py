@@ -50,6 +50,7 @@ class SafetensorsFolder:
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"hf:{folder} has no *.safetensors files; download the weights")
+        _check_index(self.folder)
         self._files = [_open_safetensors(f) for f in files]
         self._where = {name: f for f in self._files for name in f.keys()}  # noqa: SIM118
 
@@ -62,6 +63,28 @@ class SafetensorsFolder:
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """Only the slice `index` of tensor `name` is read from disk."""
         return self._where[name].get_slice(name)[index]
+
+
+def _check_index(folder: Path) -> None:
+    """A sharded folder missing a file its index names (a partial download) is one line naming
+    the file, not a layer count or a tensor that seems to be missing."""
+    index = folder / SAFETENSORS_INDEX
+    if not index.is_file():
+        return
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        named = sorted({str(file) for file in weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        raise ConfigError(
+            f"{index} is damaged (no readable weight_map); download the weights again"
+        ) from None
+    missing = [name for name in named if not (folder / name).is_file()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"hf:{folder} lacks {missing[0]}{more}, named by {SAFETENSORS_INDEX}; download the "
+            "weights again (an interrupted download leaves shards out)"
+        )
 
 
 def _open_safetensors(path: Path) -> Any:
@@ -125,20 +148,54 @@ def load_hf_params(folder: str | Path, target: Any) -> Any:
     return jax.tree_util.tree_map_with_path(load, target)
 
 
+# the `model.*` keys that size each Hugging Face tensor (by its name's ending)
+_SIZED_BY = {
+    "embed_tokens.weight": "model.vocab_size, model.d_model",
+    "lm_head.weight": "model.vocab_size, model.d_model",
+    "norm.weight": "model.d_model",
+    "layernorm.weight": "model.d_model",
+    "q_proj.weight": "model.num_heads, model.head_dim, model.d_model",
+    "o_proj.weight": "model.num_heads, model.head_dim, model.d_model",
+    "k_proj.weight": "model.num_kv_heads, model.head_dim, model.d_model",
+    "v_proj.weight": "model.num_kv_heads, model.head_dim, model.d_model",
+    "mlp.gate_proj.weight": "model.d_ff, model.d_model",
+    "mlp.up_proj.weight": "model.d_ff, model.d_model",
+    "mlp.down_proj.weight": "model.d_ff, model.d_model",
+}
+
+
 def _check_shape(source, name, stacked, transposed, shape, folder) -> None:
-    """One line naming the tensor whose shape the model config does not match."""
+    """One line naming the tensor (or the layer count) the model config does not match, and
+    the `model.*` keys that size it."""
     first = name.format(i=0)
     if first not in source:
         raise ConfigError(f"hf:{folder} has no tensor {first}; is it a Llama checkpoint?")
+    if stacked and (layers := _layers_of(source, name)) != shape[0]:
+        if layers < shape[0] and name.format(i=shape[0] - 1) in source:  # a gap
+            raise ConfigError(
+                f"hf:{folder} has no tensor {name.format(i=layers)}; download the weights again"
+            )
+        raise ConfigError(
+            f"hf:{folder} holds {layers} layer{'s' * (layers > 1)} ({name.format(i='N')}), the "
+            f"model expects {shape[0]}; {_mismatch_fix('model.num_layers')}"
+        )
     theirs = source.shape(first)
     ours = tuple(shape[1:] if stacked else shape)
-    if (theirs[::-1] if transposed else theirs) != ours or (
-        stacked and _layers_of(source, name) != shape[0]
-    ):
+    if (theirs[::-1] if transposed else theirs) != ours:
+        keys = next((keys for end, keys in _SIZED_BY.items() if first.endswith(end)), "model.*")
         raise ConfigError(
             f"hf:{folder} tensor {first} has shape {list(theirs)}, the model expects "
-            f"{list(ours[::-1] if transposed else ours)}; leave model.* unset to follow config.json"
+            f"{list(ours[::-1] if transposed else ours)}; {_mismatch_fix(keys)}"
         )
+
+
+def _mismatch_fix(keys: str) -> str:
+    """The fix for weights of another size: model.* set in the --config file or overrides wins
+    over config.json, and a config.json edited apart from its weights misleads it."""
+    return (
+        f"leave {keys} unset (in the --config file too) to follow config.json, or restore "
+        "the config.json these weights came with"
+    )
 
 
 def hf_tensors(params: Any) -> Iterator[tuple[str, np.ndarray]]:
