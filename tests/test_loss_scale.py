@@ -196,3 +196,27 @@ def test_a_resume_may_change_precision_and_a_layout_change_is_one_line(corpus, t
     )
     assert "(optim.clip_norm: saved 1.0, now null); resume with the settings" in str(refused.value)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4", "6"]
+
+
+def test_skipped_steps_counts_on_across_a_resume(corpus, tmp_path):
+    """A scale of 1e30 overflows every step. Before: a resumed session logged `skipped_steps`
+    from 1 again (1, 2, then 1, 2), though the metric is the run's total."""
+    scale = ["precision.loss_scale_init=1e30", "precision.loss_scale_max=1e30"]
+    for steps in (2, 4):
+        config = load_config(
+            None,
+            [
+                *TINY,
+                f"data.path={corpus}",
+                f"run.workdir={tmp_path}",
+                f"run.steps={steps}",
+                "checkpoint.every=2",
+                "eval.every=100",
+                "log.tensorboard=false",
+                "precision.compute=float16",
+                *scale,
+            ],
+        )
+        trainer.run(config)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows if "loss" in r] == [1, 2, 3, 4]

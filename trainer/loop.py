@@ -24,7 +24,7 @@ from trainer.data import DataSources
 from trainer.errors import ConfigError, TrainingError
 from trainer.nonfinite import NonFiniteStop, checked_vocab_size
 from trainer.observe.goodput import Goodput, format_summary, session_summary, write_summary
-from trainer.observe.metrics import MetricsWriter
+from trainer.observe.metrics import MetricsWriter, last_logged
 from trainer.observe.profiling import ProfileWindow
 from trainer.observe.watchdog import Watchdog
 from trainer.parallel.state import TrainState
@@ -193,6 +193,8 @@ class Loop:
             )
             return result
         progress = Progress(result, Watchdog(self.config.run.step_timeout_s))
+        if start_step:  # a running total: the steps earlier sessions skipped count too
+            progress.skipped_steps = int(last_logged(self.config.run.workdir, "skipped_steps") or 0)
         with StopRequest() as stop:  # held over the last wait too: a SIGTERM must not cut a save
             self._steps(state, start_step, progress, stop)
             with self.goodput.timing("checkpoint"):

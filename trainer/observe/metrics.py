@@ -136,6 +136,23 @@ class MetricsWriter:
             self._jsonl.close()
 
 
+def last_logged(workdir: str | Path, key: str) -> Any:
+    """`key`'s value in the newest metrics line that has it (None without one): where a running
+    total such as `skipped_steps` goes on from when a run resumes."""
+    try:
+        lines = (Path(workdir) / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and key in row:
+            return row[key]
+    return None
+
+
 def _truncate_after(path: Path, step: int) -> None:
     """On resume, drop what a killed run logged past its last checkpoint (and a half-written
     last line), so metrics.jsonl reads as one uninterrupted run. The file is replaced whole, and
