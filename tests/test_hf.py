@@ -281,3 +281,25 @@ def test_export_then_import_is_the_identity(hf_run, tmp_path):
     for a, b in zip(flat(again.model), flat(saved.model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(not np.array_equal(exported[n], original[n]) for n in original)  # it trained
+
+
+@pytest.mark.slow
+def test_a_start_from_hf_on_data_of_another_tokenizer_warns_once(hf_run, corpus, tmp_path, capfd):
+    """Byte-level data fed to a model whose embedding rows belong to its tokenizer.json trained
+    without a word; the data prepared with that tokenizer.json (hf_run's) gets no warning."""
+    from input_pipeline.tokenizers import get_tokenizer
+    from trainer.hf.tokenizer import other_tokenizer_warning
+
+    _, data, _, _ = hf_run
+    spec = json.loads((data / "dataset.json").read_text())["tokenizer"]
+    assert other_tokenizer_warning(f"hf:{UNTIED}", get_tokenizer(spec, data)) is None
+
+    shape_free = [o for o in TINY if not o.startswith("model.")]
+    args = [f"data.path={corpus}", f"run.workdir={tmp_path}", f"checkpoint.init_from=hf:{UNTIED}"]
+    run(load_config(None, [*shape_free, *args, "run.steps=1", "eval.every=100"]))
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning:" in line]
+    assert warnings == [
+        f"warning: checkpoint.init_from=hf:{UNTIED} comes with its own tokenizer.json, but the "
+        "training data was tokenized with another (byte): the model reads its ids as other "
+        f"tokens; prepare the data with --tokenizer hf:{UNTIED}"
+    ]

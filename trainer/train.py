@@ -27,6 +27,7 @@ from trainer.data import (
 )
 from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
+from trainer.hf.tokenizer import other_tokenizer_warning
 from trainer.loop import Loop, RunResult, check_mixture_eval_step
 from trainer.models import pipeline_spec, run_model
 from trainer.models.attention import CheckedBatches
@@ -231,6 +232,10 @@ def announce(
             f"{config.run.name}: model {program.num_params / 1e6:.2f}M parameters; "
             f"mesh {dict(program.mesh.shape)}{staged}; data {sources.description}{note}"
         )
+        if sources.load_tokenizer is not None and hf_folder(config.checkpoint.init_from):
+            tokenizer = sources.load_tokenizer()
+            if line := other_tokenizer_warning(config.checkpoint.init_from, tokenizer):
+                writer.message(line)
     if sources.make_eval is None:
         writer.message(sources.without_evals)
 
