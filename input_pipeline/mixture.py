@@ -101,15 +101,19 @@ class MixedStream:
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        if sorted(state["sources"]) != sorted(self.names):
+        sources = mixture_sources(state)
+        if sources is None:
             raise DataError(
-                f"the checkpoint's data position is a mixture of {sorted(state['sources'])}, but "
+                f"the checkpoint's data position is of one dataset, but data.mixture names "
+                f"{sorted(self.names)}; resume with the data.path it was saved with, or start a "
+                "new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
+            )
+        if sources != sorted(self.names):
+            raise DataError(
+                f"the checkpoint's data position is a mixture of {sources}, but "
                 f"data.mixture names {sorted(self.names)}; resume with the same sources"
             )
-        self.row = int(state["row"])
-        self.taken = np.array([state["taken"][n] for n in self.names], np.int64)
-        self.tokens = {n: float(state["tokens"][n]) for n in self.names}
-        for name in self.names:
+        for name in self.names:  # first: a source may refuse it (`LaidOutPosition`)
             saved = state["sources"][name]
             self.iterators[name].set_state(saved["position"])
             self._in_hand[name], self._used[name] = None, 0
@@ -117,6 +121,16 @@ class MixedStream:
                 self._read_at[name] = copy.deepcopy(saved["position"])
                 self._in_hand[name] = next(self.iterators[name])
                 self._used[name] = int(saved["used"])
+        self.row = int(state["row"])
+        self.taken = np.array([state["taken"][n] for n in self.names], np.int64)
+        self.tokens = {n: float(state["tokens"][n]) for n in self.names}
+
+
+def mixture_sources(position: Any) -> list[str] | None:
+    """The source names of a `MixedStream`'s saved position; None for one dataset's."""
+    if isinstance(position, dict) and "sources" in position and "row" in position:
+        return sorted(position["sources"])
+    return None
 
 
 def tokens_by_source(data_state: Any) -> dict[str, float]:

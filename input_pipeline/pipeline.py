@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import grain
 import numpy as np
 
 from input_pipeline.dataset_info import DatasetInfo
 from input_pipeline.errors import DataError
+from input_pipeline.mixture import mixture_sources
 from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
@@ -37,6 +39,13 @@ FEATURES = ("inputs", "targets")
 # checkpoint re-reads one read.
 READ_TOKENS = 1 << 20
 MAX_READ_RECORDS = 4096
+# The way out of a data position that cannot be resumed (`LaidOutPosition`).
+NEW_RUN = "start a new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
+READ_DATA = {
+    "arrayrecord": "ArrayRecord data",
+    "grain": "TFRecord data with data.reader=grain",
+    "tfdata": "TFRecord data with data.reader=tfdata",
+}
 
 
 class ReadRecords(grain.transforms.Map):
@@ -303,7 +312,80 @@ def make_batch_iterator(
     if reading.workers > 0:
         options = grain.MultiprocessingOptions(num_workers=reading.workers)
         batches = batches.mp_prefetch(options, worker_init_fn=host_only_worker)
-    return iter(batches)
+    layout = {"workers": reading.workers, "packing": packing, "reader": reader_of(info, reading)}
+    return LaidOutPosition(iter(batches), layout)
+
+
+def reader_of(info: DatasetInfo, reading: Reading) -> str:
+    """What reads the records, as a data position depends on it: arrayrecord, grain or tfdata."""
+    if info.format != "tfrecord":
+        return info.format
+    return "tfdata" if reading.reader == "tfdata" else "grain"
+
+
+class LaidOutPosition(grain.DatasetIterator):
+    """The batch iterator, its position recording how the chain was laid out: `data.workers`
+    (each Grain worker packs its own share of the reads, every `workers`-th), `data.packing` and
+    the reader. A position of one layout is no position of another, so resuming it with another
+    is one line, refused before any state moves (before: a KeyError from deep in Grain)."""
+
+    def __init__(self, parent: grain.DatasetIterator, layout: dict[str, Any]):
+        super().__init__(parent)
+        self.layout = layout
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return {**self.layout, "batches": self._parent.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if (sources := mixture_sources(state)) is not None:
+            raise DataError(
+                f"the checkpoint's data position is of a data.mixture of {sources}, but this run "
+                f"reads one dataset; resume with that data.mixture, or {NEW_RUN}"
+            )
+        saved, batches = saved_layout(state)
+        for key, value in saved.items():
+            if value != self.layout[key]:
+                raise DataError(layout_changed(key, value, self.layout[key]))
+        self._parent.set_state(batches)
+
+    def __str__(self) -> str:
+        return f"LaidOutPosition({self.layout})"
+
+
+def saved_layout(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The layout a batch iterator's position was saved with, and the position of its batches.
+    A position from before `LaidOutPosition` is the batches' alone: Grain's `mp_prefetch`
+    interleaves one iterator per worker, any other position is the packer's own (concat's has a
+    `record`, first_fit's a `next_row`); its reader is not told."""
+    if "batches" in state and "workers" in state:
+        layout = {key: state[key] for key in ("workers", "packing", "reader") if key in state}
+        return layout, state["batches"]
+    workers = len(state.get("iterators_in_use_states", ()))
+    packer = state["iterators_in_use_states"][0] if workers else state
+    layout = {"workers": workers}
+    if isinstance(packer, dict) and "record" in packer:
+        layout["packing"] = "concat"
+    elif isinstance(packer, dict) and "next_row" in packer:
+        layout["packing"] = "first_fit"
+    return layout, state
+
+
+def layout_changed(key: str, saved: Any, now: Any) -> str:
+    """The line refusing a position saved with `key`=`saved` in a run with `now`."""
+    if key == "reader":
+        return (
+            f"the checkpoint's data position was saved reading {READ_DATA.get(saved, saved)} and "
+            f"does not carry over to {READ_DATA.get(now, now)}; resume with the data and reader "
+            f"it was saved with, or {NEW_RUN}"
+        )
+    why = " (each worker packs its own share of the data)" if key == "workers" else ""
+    return (
+        f"the checkpoint's data position was saved with data.{key}={saved} and does not carry "
+        f"over to data.{key}={now}{why}; set data.{key}={saved} to resume this run, or {NEW_RUN}"
+    )
 
 
 def check_packing(
