@@ -72,6 +72,18 @@ def test_a_row_with_nothing_for_the_console_prints_no_line(tmp_path, stream):
     assert rows == [{"step": 100, "eval_loss": 2.5}, {"step": 100, "ckpt_block_s": 0.25}]
 
 
+def test_the_console_shows_skipped_steps_once_there_are_some(tmp_path):
+    """An fp16 run skipping every step printed lines like a healthy one; metrics.jsonl alone
+    held `skipped_steps`."""
+    console = io.StringIO()
+    writer = MetricsWriter(tmp_path, total_steps=200, tensorboard=False, stream=console)
+    writer.write(10, {"loss": 2.5, "skipped_steps": 0})
+    writer.write(20, {"loss": 2.5, "skipped_steps": 3})
+    writer.close()
+    lines = [line.split(" eta=")[0] for line in console.getvalue().splitlines()]
+    assert lines == ["step 10: loss=2.5", "step 20: loss=2.5 skipped_steps=3"]
+
+
 def _logged_run(workdir, name: str | None) -> None:
     workdir.mkdir(parents=True)
     (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')

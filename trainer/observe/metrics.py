@@ -85,6 +85,8 @@ class MetricsWriter:
         """A line (or the bar's postfix) for rows with a key the console shows; the others (a
         checkpoint's `ckpt_block_s`) only move the bar."""
         shown = {k: row[k] for k in ("loss", "eval_loss", "tokens_per_s", "lr") if k in row}
+        if row.get("skipped_steps"):  # a run skipping steps (float16 overflows) says so
+            shown["skipped_steps"] = row["skipped_steps"]
         text = " ".join(f"{k}={_short(v)}" for k, v in shown.items())
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
