@@ -124,3 +124,23 @@ def test_a_run_of_a_model_without_a_decoder_names_the_way_out(
         "model.kind=parallel_block:build (it has no key/value-cache decoder); export its "
         "parameters with python -m trainer.export and sample them with your model's own code"
     )
+
+
+def test_decoding_stops_once_every_row_has_ended():
+    """The loop ran all --max-new-tokens steps after the end-of-text id, and the output was cut
+    afterwards: a short answer cost the whole budget. Now the positions after it are never
+    decoded (they stay 0 in the compiled loop's output); the tokens before it are the same."""
+    from flax import nnx
+
+    prompt = np.load(UNTIED / "reference.npz")["input_ids"][0, :5].tolist()
+    free = load_generator(f"hf:{UNTIED}", compute="float32", devices=jax.devices()[:1])
+    free.eos_id = None
+    ids = free.generate(prompt, max_new_tokens=12, temperature=0.0).tolist()
+    stop = ids[3]
+    first = ids.index(stop)
+    assert any(ids[first + 1 :]), "the free run decodes tokens after the stop id"
+    graphdef, state = nnx.split(free.model)
+    run = generate._compiled(graphdef, free.decoder, free.mesh, 12, 0.0, None, 1.0, (stop,))
+    with jax.set_mesh(free.mesh):
+        raw = np.asarray(run(state, jnp.asarray([prompt], jnp.int32), jax.random.key(0)))[0]
+    assert raw.tolist() == ids[: first + 1] + [0] * (11 - first)

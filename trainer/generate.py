@@ -62,7 +62,8 @@ class Generator:
         check_settings(max_new_tokens, temperature, top_k, top_p, seed)
         check_cache_fits(self, len(prompt_ids) + max_new_tokens)
         graphdef, state = nnx.split(self.model)
-        settings = (max_new_tokens, float(temperature), top_k, float(top_p))
+        ends = () if self.eos_id is None else tuple(np.atleast_1d(self.eos_id).tolist())
+        settings = (max_new_tokens, float(temperature), top_k, float(top_p), ends)
         run = _compiled(graphdef, self.decoder, self.mesh, *settings)
         prompt_1xP = jnp.asarray([list(prompt_ids)], jnp.int32)
         with jax.set_mesh(self.mesh):
@@ -161,10 +162,22 @@ def _tempered(logits_BxV: jax.Array, temperature: float) -> jax.Array:
 
 @functools.lru_cache(maxsize=16)
 def _compiled(
-    graphdef, decoder: Decoder, mesh, max_new_tokens: int, temperature: float, top_k, top_p: float
+    graphdef,
+    decoder: Decoder,
+    mesh,
+    max_new_tokens: int,
+    temperature: float,
+    top_k,
+    top_p: float,
+    ends: tuple[int, ...] = (),
 ):
-    """Prefill then a `fori_loop` of one-token decode steps, jitted once per settings; the
-    tokens come back replicated, readable on every host."""
+    """Prefill then a `while_loop` of one-token decode steps, jitted once per settings; the
+    tokens come back replicated, readable on every host. The loop stops once every row has
+    sampled one of the end-of-text ids `ends` (the positions after it stay 0): a short answer
+    does not pay for the whole `max_new_tokens`."""
+
+    def ended(token_B: jax.Array) -> jax.Array:
+        return jnp.isin(token_B, jnp.asarray(ends, jnp.int32)) if ends else token_B < 0
 
     def run(state, prompt_BxP, key):
         model = nnx.merge(graphdef, state)
@@ -172,19 +185,23 @@ def _compiled(
         cache = decoder.empty_cache(model, B, P + max_new_tokens)
         logits_BxPxV, cache = decoder.decode(model, prompt_BxP, jnp.int32(0), cache)
         key, now = jax.random.split(key)
-        out_BxN = jnp.zeros((B, max_new_tokens), jnp.int32)
-        out_BxN = out_BxN.at[:, 0].set(sample(logits_BxPxV[:, -1], now, temperature, top_k, top_p))
+        first_B = sample(logits_BxPxV[:, -1], now, temperature, top_k, top_p)
+        out_BxN = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(first_B)
 
-        def step(i, carry):
-            out_BxN, cache, key = carry
+        def going(carry) -> jax.Array:
+            i, _, _, _, done_B = carry
+            return (i < max_new_tokens) & ~done_B.all()
+
+        def step(carry):
+            i, out_BxN, cache, key, done_B = carry
             last_Bx1 = jax.lax.dynamic_slice_in_dim(out_BxN, i - 1, 1, axis=1)
             logits_Bx1xV, cache = decoder.decode(model, last_Bx1, P + i - 1, cache)
             key, now = jax.random.split(key)
             token_B = sample(logits_Bx1xV[:, -1], now, temperature, top_k, top_p)
-            return out_BxN.at[:, i].set(token_B), cache, key
+            return i + 1, out_BxN.at[:, i].set(token_B), cache, key, done_B | ended(token_B)
 
-        out_BxN, _, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out_BxN, cache, key))
-        return out_BxN
+        carry = (jnp.int32(1), out_BxN, cache, key, ended(first_B))
+        return jax.lax.while_loop(going, step, carry)[1]
 
     return jax.jit(run, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
