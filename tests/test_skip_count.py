@@ -7,6 +7,7 @@ import json
 from conftest import take
 
 from input_pipeline.records import SkippedCount, append_line, count_skipped
+from input_pipeline.streams import close_readers
 
 
 def entry(record: int) -> str:
@@ -84,5 +85,9 @@ def test_the_run_counts_the_skipped_records_of_its_data(damaged, tmp_path):
     for _ in range(4):
         take(sources.train, 5)
         seen.append(sources.skipped_records())
-    assert seen[-1] == count_skipped(log) > 0
+    close_readers(sources.train)
+    # Grain's read threads run ahead of `take` and may still finish a read after `close`, so the
+    # log can grow between any two looks at it: the count must hold it from both sides.
+    before, logged, after = sources.skipped_records(), count_skipped(log), sources.skipped_records()
+    assert seen[-1] <= before <= logged <= after and logged > 0
     assert seen == sorted(seen)
