@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY, compile_cache
+from conftest import TINY, compile_cache, tiny_run
+from jax.experimental import multihost_utils
 
 from input_pipeline.device import row_block_of
 from input_pipeline.errors import DataError
@@ -35,6 +37,7 @@ from trainer.parallel.distributed import (
     check_shared_workdir,
     cluster_from_env,
 )
+from trainer.preemption import StopRequest
 from trainer.train import run
 
 RTOL = 1e-5
@@ -143,6 +146,42 @@ def wait_for(done: Callable[[], bool], procs, logs: list[Path], timeout: float) 
         time.sleep(0.2)
 
 
+def stacks_of(pids: list[int], log: Path) -> str:
+    """Every thread's Python stack in each of `pids`, which write to `log`: `trainer.main` prints
+    them on SIGUSR1 and runs on. What a stuck run waits for, before the test kills it. One
+    process at a time: two writing at once interleave their lines."""
+    stacks = []
+    for pid in pids:
+        before = len(log.read_text())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(1)
+        stacks.append(f"stacks of process {pid} (SIGUSR1):\n{log.read_text()[before:]}")
+    return "\n".join(stacks)
+
+
+def stop_within(launcher: subprocess.Popen, log: Path, timeout: float) -> int:
+    """The launcher's status once its processes stopped after a SIGTERM; past `timeout`, a
+    failure that keeps what they said and where each one waits (slow, or stuck where)."""
+    try:
+        return launcher.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        said = log.read_text()
+        stacks = stacks_of(launched_pids(log), log)
+        pytest.fail(f"no stop within {timeout} s of the SIGTERM:\n{said[-3000:]}\n{stacks}")
+
+
+def end_launcher(launcher: subprocess.Popen, log: Path) -> None:
+    """Kill a launcher still running, and the processes it started: a killed launcher leaves
+    them behind."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+        for pid in launched_pids(log):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, repo_root, corpus) -> Path:
     return single_process_baseline(tmp_path_factory, repo_root, corpus)
@@ -167,14 +206,9 @@ def test_two_processes_match_one_stop_together_and_resume_on_one(
         wait_for(lambda: max(losses_of(two), default=0) > STEPS, [launcher], [log_path], 300)
         started = re.search(r"2 processes \((\d+) (\d+)\)", log_path.read_text())
         os.kill(int(started[2]), signal.SIGTERM)
-        try:
-            status = launcher.wait(timeout=120)
-        except subprocess.TimeoutExpired:  # keep what the processes said: slow, or stuck where
-            pytest.fail(f"no stop within 120 s of the SIGTERM:\n{log_path.read_text()[-3000:]}")
+        status = stop_within(launcher, log_path, 120)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        end_launcher(launcher, log_path)
     log = log_path.read_text()
     assert status == 0, log[-3000:]
     stopped = saved_steps(two)[-1]
@@ -199,6 +233,74 @@ def test_two_processes_match_one_stop_together_and_resume_on_one(
     assert sorted(losses_of(resumed)) == [4, 5, 6], "resumed at step 3"
     assert_losses_match(resumed, baseline, range(4, STEPS + 1))
     np.testing.assert_allclose(eval_losses_of(resumed)[STEPS], eval_losses_of(two)[STEPS], RTOL)
+
+
+def test_only_the_loop_asks_jax_where_to_stop_counting_this_sessions_steps(
+    corpus, tmp_path, monkeypatch
+):
+    """JAX's preemption sync keeps, per process, the count of the latest question and stops every
+    process one past the furthest count: the loop asks once per step (`StopRequest.at_step`) and
+    nothing else may. Orbax's manager asked again, from its finalize thread with the step of an
+    earlier save: process 0's count went back, the sync picked step 12 after its loop had asked
+    about 12, and it trained on alone into step 13's collective while process 1 stopped (the
+    two-process stop test hung once that way; forced, it hangs every time). The count is this
+    session's steps: before the first question JAX counts 0, so with the run's step a notice
+    during a resumed session's start-up named step 1, which that loop never reached, and the run
+    trained on to `run.steps`. Here, in one process, the stop request asks as it does with
+    several, and every question is recorded."""
+    asked: list[tuple[str, int]] = []
+
+    def record(count: int) -> bool:
+        asked.append((threading.current_thread().name, count))
+        return False
+
+    def as_with_several_processes(self: StopRequest) -> None:
+        real_init(self)
+        self._multihost = True
+
+    real_init = StopRequest.__init__
+    monkeypatch.setattr(StopRequest, "__init__", as_with_several_processes)
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", record)
+    run(tiny_run(corpus, tmp_path / "run", steps=4))  # saves at 0 (its warm-up), 2 and 4
+    assert asked == [("MainThread", count) for count in range(1, 5)]
+    asked.clear()
+    run(tiny_run(corpus, tmp_path / "run", steps=6))  # resumes at 4
+    assert asked == [("MainThread", 1), ("MainThread", 2)]
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_a_resumed_start_up_stops_both_after_their_first_step(
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root
+):
+    """launch/local.sh 2 resumes the baseline's step 3, and process 1 gets a SIGTERM while the
+    two still restore and compile (as a Slurm time-limit warning or a preemption may land in a
+    requeued job's start-up): both stop after their first step, 4, and save it. JAX counted
+    the run's steps before: the notice named step 1, which this loop never reached, and the run
+    trained on to `run.steps` as if nothing had come."""
+    workdir, log_path = tmp_path / "resumed", tmp_path / "local.log"
+    copy_checkpoint(baseline, 3, workdir)
+    cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
+    cmd += run_args(corpus, workdir, "run.steps=40", "eval.every=1000", "checkpoint.every=1000")
+    with log_path.open("w") as log:
+        env = cpu_env(**compile_cache(tmp_path_factory))
+        launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
+    try:
+
+        def restored() -> bool:  # and still compiling: the first step's line comes seconds later
+            return "resuming from" in log_path.read_text()  # both joined the runtime before it
+
+        wait_for(restored, [launcher], [log_path], 300)
+        assert not losses_of(workdir), "the SIGTERM was meant for the start-up"
+        os.kill(launched_pids(log_path)[1], signal.SIGTERM)
+        status = stop_within(launcher, log_path, 120)
+    finally:
+        end_launcher(launcher, log_path)
+    log = log_path.read_text()
+    assert status == 0, log[-3000:]
+    assert "stopped by SIGTERM at step 4" in log, log[-3000:]
+    assert log.count("finished at step 4 of 40: stopped early") == 2, "both stopped after it"
+    assert saved_steps(workdir) == [3, 4]
+    assert_losses_match(workdir, baseline, [4])
 
 
 @pytest.mark.slow
@@ -289,12 +391,7 @@ def test_a_stopped_peer_trips_the_watchdog_and_the_rerun_resumes(
         status = launcher.wait(timeout=timeout_s + heartbeat_s + 60)
         took = time.monotonic() - stopped_at
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-            for pid in launched_pids(log_path):  # a killed launcher leaves them behind
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        end_launcher(launcher, log_path)
     log = log_path.read_text()
     with capsys.disabled():
         print(f"\nlauncher exited with status {status} {took:.1f} s after a peer was stopped")

@@ -107,7 +107,7 @@ class Checkpointer:
         if not clean:
             options = dataclasses.replace(options, cleanup_tmp_directories=False)
         with _quiet_orbax():  # it logs each unreadable step metadata file it lists
-            return ocp.CheckpointManager(
+            return _Manager(
                 self.directory,
                 options=options,
                 handler_registry=data_checkpointing.handler_registry(),
@@ -424,6 +424,19 @@ class Checkpointer:
         finally:
             with self._saving or contextlib.nullcontext(), self._storage_errors("finishing a save"):
                 self.manager.close()
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, except that it never asks JAX's preemption sync point itself: that point
+    is asked once per step, by the loop alone (`StopRequest.at_step`). JAX keeps one counter per
+    process, the step of its latest question; Orbax's finalize thread asked again with the step
+    of an earlier save, which moved process 0's counter back, so the sync could pick a step its
+    loop had already passed: process 0 trained on alone while the others stopped, and waited
+    for them in the next step's collective forever. Orbax's only uses of the answer are to save
+    on that step anyway (the loop saves it) and to log it."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
 
 
 @contextlib.contextmanager

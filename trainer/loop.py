@@ -266,7 +266,7 @@ class Loop:
                 wait_s = feed.last_wait_s
                 pending.append(StepRecord(step, metrics, now - tick, wait_s, data_state, batch))
                 tick = now
-                saving = stop.at_step(step) or step % config.checkpoint.every == 0 or step == total
+                saving = stop.at_step() or step % config.checkpoint.every == 0 or step == total
                 evaluating = step % config.eval.every == 0 or step == total
                 if saving or evaluating:
                     # Read all now: never save a NaN; this step's line is on disk before its

@@ -7,8 +7,11 @@ data, checkpoint mismatch) print one line and exit 2; everything else is a real 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -34,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    dump_stacks_on_sigusr1()
     try:
         config = load_config(args.config, args.overrides)
         if args.print_config:
@@ -84,6 +88,16 @@ def train(config: Config) -> str:
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
     return summary
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr and the run goes on: where
+    a run that seems stuck waits (a collective, a save, a peer), without stopping it."""
+    stream = sys.__stderr__
+    if not hasattr(signal, "SIGUSR1") or stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # a stderr without a file descriptor
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
 
 
 def quiet_asyncio() -> None:

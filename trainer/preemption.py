@@ -34,14 +34,21 @@ class StopRequest:
         self.signal_name: str | None = None
         self.requested = False  # the loop decided (at the last `at_step`) to save and stop
         self._multihost = jax.process_count() > 1
+        self._asked = 0  # this session's questions to JAX's sync point: 1, 2, ... per step
         self._previous: dict[int, object] = {}
 
-    def at_step(self, step: int) -> bool:
-        """Decide whether `step` is the last one; call it exactly once per step on every process."""
+    def at_step(self) -> bool:
+        """Decide whether the step just run is the last one; call it exactly once per step on
+        every process. With several, it is the only caller of JAX's sync point, whose count of
+        each process's latest step must never go back (`trainer.checkpoint._Manager` keeps
+        Orbax's away). The count is this session's steps, not the run's: JAX stops one past the
+        furthest count, and counts 0 before the first question, so a notice during a resumed
+        run's start-up named step 1, which a loop that starts at step 4 never reaches."""
         if self.requested:
             return True
         if self._multihost:
-            self.requested = multihost_utils.reached_preemption_sync_point(step)
+            self._asked += 1  # every process resumes from the same step: the counts agree
+            self.requested = multihost_utils.reached_preemption_sync_point(self._asked)
             if self.requested and self.signal_name is None:
                 self.signal_name = "SIGTERM"  # seen by JAX's notifier here or on another host
         else:
