@@ -3,12 +3,21 @@
 Debian's slurm-wlm daemons run by hand (no systemd) from a scratch folder with their own ports
 and `auth/none`, so nothing outside this test's folder is touched. Where Slurm is not installed
 or cannot start, the test is skipped with the reason (CI installs it: see .ci/run).
+
+The job requeues itself: the time-limit warning is delivered as `--signal=B:USR1@N` sends it
+(`scancel --signal=USR1 --batch`), and a stuck task's exit 3 comes from a stand-in interpreter
+(the sbatch's PYTHON knob). Slurm holds a requeued job for its launch credential's lifetime
+(`AuthInfo=cred_expire`, 120 s by default): this cluster's is 5 s. Releasing the job sooner by
+hand (`scontrol update StartTime=now`) loses it now and then: "Killing non-startable batch
+JobId=1: Job credential revoked", and the job ends FAILED.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,11 +31,13 @@ from test_multihost import (
     eval_losses_of,
     free_port,
     losses_of,
+    metrics_of,
     run_args,
     single_process_baseline,
 )
 
 DAEMONS = ("slurmctld", "slurmd")
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
 def slurm_conf(folder: Path) -> str:
@@ -39,6 +50,7 @@ SlurmdPort={free_port()}
 SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/none
+AuthInfo=cred_expire=5
 CredType=cred/none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -129,10 +141,71 @@ def slurm(tmp_path_factory):
     stop(folder, env)
 
 
+def submit(env: dict[str, str], repo_root: Path, output: Path, *args: str) -> str:
+    """`sbatch launch/slurm.sbatch` as two tasks on the one CPU node; the job id."""
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        f"--output={output}",
+        f"--chdir={repo_root}",
+        "launch/slurm.sbatch",
+        *args,
+    ]
+    done = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def job_fields(env: dict[str, str], job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields (JobState, Reason, Restarts, ExitCode, Comment...)."""
+    done = subprocess.run(
+        ["scontrol", "--oneliner", "show", "job", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return dict(field.split("=", 1) for field in done.stdout.split() if "=" in field)
+
+
+def wait_for_job(env: dict[str, str], job_id: str, log: Path, timeout: float) -> dict[str, str]:
+    """The job's fields once it has ended (after every session, when it requeues itself)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = job_fields(env, job_id)
+        if job.get("JobState") in ENDED:
+            return job
+        time.sleep(0.3)
+    pytest.fail(f"job {job_id} did not end within {timeout} s: {job}\n{tail(log)}")
+
+
+def wait_for_line(env: dict[str, str], job_id: str, log: Path, line: str, timeout: float) -> None:
+    """Until the job's output holds `line`; a job that ends first fails the test with its log."""
+    deadline = time.monotonic() + timeout
+    while line not in tail(log, 100_000):
+        job = job_fields(env, job_id)
+        if job.get("JobState") in ENDED or time.monotonic() > deadline:
+            pytest.fail(f"job {job_id} never printed {line!r}: {job}\n{tail(log)}")
+        time.sleep(0.2)
+
+
+def tail(log: Path, chars: int = 4000) -> str:
+    """The end of a job's output (for failure messages), or why there is none yet."""
+    return log.read_text()[-chars:] if log.exists() else f"({log} not written)"
+
+
 @pytest.mark.slow
-def test_sbatch_two_tasks_on_cpu_match_one_process(
+def test_sbatch_two_tasks_match_one_process_and_requeue_themselves_before_the_time_limit(
     slurm, tmp_path_factory, tmp_path, repo_root, corpus
 ):
+    """Two tasks train the one-process run's batches. The time-limit warning comes while they
+    compile their first step: both save after the same step and exit 0, the job requeues itself
+    (the same job id, one output file), and its next session resumes from that checkpoint and
+    ends on the straight run's losses."""
     baseline = single_process_baseline(tmp_path_factory, repo_root, corpus)
     workdir = tmp_path / "slurm-run"
     env = cpu_env(
@@ -142,23 +215,29 @@ def test_sbatch_two_tasks_on_cpu_match_one_process(
         XLA_FLAGS="--xla_force_host_platform_device_count=4",  # 2 tasks x 4 devices
         JAX_COORDINATOR_PORT=str(free_port()),  # not the job-id port another cluster may use
     )
-    output = slurm["folder"] / "job-%j.out"
-    cmd = [
-        "sbatch",
-        "--wait",
-        "--nodes=1",
-        "--ntasks-per-node=2",
-        "--gpus-per-node=0",
-        "--cpus-per-task=1",
-        f"--output={output}",
-        f"--chdir={repo_root}",
-        "launch/slurm.sbatch",
-        *run_args(corpus, workdir),
-    ]
-    done = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=400)
-    job_logs = "".join(p.read_text()[-3000:] for p in slurm["folder"].glob("job-*.out"))
-    assert done.returncode == 0, f"{done.stdout}{done.stderr}{job_logs}"
-    assert "joining the slurm-detected cluster" in job_logs  # JAX read SLURM_* itself
+    job_id = submit(env, repo_root, slurm["folder"] / "job-%j.out", *run_args(corpus, workdir))
+    log = slurm["folder"] / f"job-{job_id}.out"
+    # Process 0's start-up line comes after every process joined the runtime (whose preemption
+    # service takes SIGTERM from there on) and before the first step compiles (seconds here).
+    # Later steps take ~0.1 s: a warning then would come after the last one.
+    wait_for_line(env, job_id, log, "\ntiny: model", timeout=300)
+    warning = ["scancel", "--signal=USR1", "--batch", job_id]  # what --signal=B:USR1@N sends
+    subprocess.run(warning, env=env, check=True, capture_output=True, timeout=30)
+    job = wait_for_job(env, job_id, log, timeout=400)
+
+    job_log = log.read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), (
+        f"{job}\n{job_log[-3000:]}"
+    )
+    assert "joining the slurm-detected cluster" in job_log  # JAX read SLURM_* itself
+    stopped = int(re.search(r"stopped by SIGTERM at step (\d+)", job_log)[1])
+    assert 1 <= stopped < STEPS, job_log[-3000:]
+    assert job_log.count(f"finished at step {stopped} of {STEPS}: stopped early") == 2
+    assert job_log.count(f"requeueing job {job_id} to resume from the latest checkpoint") == 1
+    sessions = [f"job {job_id} (session 1)", f"job {job_id} (session 2)"]
+    assert all(session in job_log for session in sessions), "the output file kept both sessions"
+    assert f"resuming from {workdir}/checkpoints/{stopped} (step {stopped})" in job_log
+    assert [r["step"] for r in metrics_of(workdir) if "loss" in r] == list(range(1, STEPS + 1))
     got, want = losses_of(workdir), losses_of(baseline)
     assert sorted(got) == list(range(1, STEPS + 1))
     steps = sorted(want)
@@ -166,3 +245,77 @@ def test_sbatch_two_tasks_on_cpu_match_one_process(
     np.testing.assert_allclose(
         eval_losses_of(workdir)[STEPS], eval_losses_of(baseline)[STEPS], RTOL
     )
+
+
+STAND_IN = """#!/bin/sh
+# python -m trainer.main ... as seen from Slurm: task 0 fails with $FAIL_STATUS, task 1 waits
+# for the step to be ended (it dies of Slurm's SIGTERM: srun's own status becomes 143).
+echo "stand-in task $SLURM_PROCID, session ${SLURM_RESTART_COUNT:-0}" >&2
+if [ "$SLURM_PROCID" = 0 ]; then
+  sleep 1
+  echo "error: watchdog (process 0 of 2): no progress (stand-in)" >&2
+  exit "$FAIL_STATUS"
+fi
+exec sleep 120
+"""
+
+
+@pytest.mark.parametrize(
+    ("status", "restarts", "last_line"),
+    [
+        (3, "1", "a task was stuck (exit 3) after 1 requeue(s) in a row (STUCK_REQUEUES=1); not"),
+        (2, "0", "the training step failed with status 2 (2: a user error; 1: a crash; see"),
+    ],
+)
+def test_a_stuck_task_is_requeued_a_bounded_number_of_times_and_a_user_error_never(
+    slurm, tmp_path, repo_root, status, restarts, last_line
+):
+    """A task that exits 3 (the watchdog: stuck) requeues the job, here at most once
+    (STUCK_REQUEUES=1), and stuck again it ends with status 3; a user error (2) ends it at
+    once. The status is the failed task's, not srun's (143, from the peer it ended)."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    env = {
+        **slurm["env"],
+        "PYTHON": str(stand_in),
+        "FAIL_STATUS": str(status),
+        "STUCK_REQUEUES": "1",
+    }
+    job_id = submit(env, repo_root, tmp_path / "job-%j.out", "run.steps=1")
+    log = tmp_path / f"job-{job_id}.out"
+    job = wait_for_job(env, job_id, log, timeout=120)
+
+    job_log = log.read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == (
+        "FAILED",
+        f"{status}:0",
+        restarts,
+    ), f"{job}\n{job_log}"
+    lines = [x for x in job_log.splitlines() if x.startswith("slurm.sbatch: ")]
+    assert len(lines) == 1 + 2 * int(restarts) + 1, job_log  # start, (requeue, start), end
+    assert lines[-1].startswith(f"slurm.sbatch: {last_line}"), job_log
+    if restarts == "1":
+        assert lines[1].startswith(
+            "slurm.sbatch: a task was stuck (exit 3, its stacks above): requeueing job "
+            f"{job_id} to resume from the latest checkpoint (stuck requeue 1 of "
+            "STUCK_REQUEUES=1 in a row)"
+        ), job_log
+        assert "stuck_requeues=1" in job.get("Comment", ""), job
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"STUCK_REQUEUES": "three"}, "STUCK_REQUEUES=three is not a whole number >= 0; give it"),
+        ({"PYTHON": "no-such-python"}, "PYTHON=no-such-python is not a command here; set PYTHON"),
+    ],
+)
+def test_bad_knobs_of_the_slurm_script_are_one_line(repo_root, knobs, message):
+    env = {**os.environ, "SLURM_JOB_ID": "1", "PYTHON": sys.executable, **knobs}
+    done = subprocess.run(
+        ["bash", "launch/slurm.sbatch"], cwd=repo_root, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"slurm.sbatch: {message}"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
