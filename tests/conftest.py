@@ -78,16 +78,34 @@ def compile_cache(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compile_cache_for_child_runs(tmp_path_factory):
-    """The training processes tests start compile the same tiny programs again and again: JAX's
-    persistent compilation cache lets only the first of them in each worker compile (a tiny CLI
-    run took 9.5 s cold and 3.1 s warm here; a 2-process run saved ~20 s). Set once the suite's
-    own JAX has read its settings, so it is the children that use it; tests that build their own
-    environment (`test_multihost.cpu_env`) add `compile_cache` to it."""
+def shared_compile_cache(tmp_path_factory):
+    """The training processes tests start, and the tests' own in-process runs, compile the same
+    tiny programs again and again: JAX's persistent compilation cache lets only the first of them
+    in each worker compile (a tiny CLI run took 9.5 s cold and 3.1 s warm here; a 2-process run
+    saved ~20 s). One folder for this worker's own JAX and its children, so a CLI run after the
+    same run in-process (a resume test's reference) compiles nothing. A load from the cache still
+    fires JAX's backend-compile event, so the tests that count compiles count the same; tests
+    that build their own environment (`test_multihost.cpu_env`) add `compile_cache` to it."""
+    settings = compile_cache(tmp_path_factory)
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in compile_cache(tmp_path_factory).items():
+        for name, value in settings.items():
             patch.setenv(name, value)
-        yield
+        _use_compile_cache(settings["JAX_COMPILATION_CACHE_DIR"])
+        try:
+            yield
+        finally:
+            _use_compile_cache(None)
+
+
+def _use_compile_cache(directory: str | None) -> None:
+    """Point this process's JAX at `directory` for every compile from now on (None: off)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # the cache reads its folder once; make it read it again
 
 
 # A small but real model and run shape shared by the end-to-end tests.
