@@ -286,10 +286,10 @@ def test_a_sigterm_during_a_resumed_start_up_stops_both_after_their_first_step(
         launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
     try:
 
-        def restored() -> bool:  # and still compiling: the first step's line comes seconds later
-            return "resuming from" in log_path.read_text()  # both joined the runtime before it
+        def joined() -> bool:  # process 1 joined the runtime, whose preemption service takes
+            return "[Gloo] Rank 1 is connected" in log_path.read_text()  # SIGTERM from there on
 
-        wait_for(restored, [launcher], [log_path], 300)
+        wait_for(joined, [launcher], [log_path], 300)  # then checks, restore, compile: seconds
         assert not losses_of(workdir), "the SIGTERM was meant for the start-up"
         os.kill(launched_pids(log_path)[1], signal.SIGTERM)
         status = stop_within(launcher, log_path, 120)
