@@ -309,6 +309,7 @@ def test_a_stuck_task_is_requeued_a_bounded_number_of_times_and_a_user_error_nev
     [
         ({"STUCK_REQUEUES": "three"}, "STUCK_REQUEUES=three is not a whole number >= 0; give it"),
         ({"PYTHON": "no-such-python"}, "PYTHON=no-such-python is not a command here; set PYTHON"),
+        ({"STARTUP_REQUEUES": "-1"}, "STARTUP_REQUEUES=-1 is not a whole number >= 0; give"),
     ],
 )
 def test_bad_knobs_of_the_slurm_script_are_one_line(repo_root, knobs, message):
@@ -319,3 +320,48 @@ def test_bad_knobs_of_the_slurm_script_are_one_line(repo_root, knobs, message):
     assert done.returncode == 2
     assert done.stderr.startswith(f"slurm.sbatch: {message}"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+STARTING_STAND_IN = """#!/bin/sh
+# python -m trainer.main ... still starting when the warning comes: before it joins JAX's runtime
+# a SIGTERM ends it (srun: "tasks 0-1: Terminated"). Each session says it is starting.
+echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >&2
+exec sleep 120
+"""
+
+
+def test_a_warning_during_the_tasks_start_up_requeues_the_job_a_bounded_number_of_times(
+    slurm, tmp_path, repo_root
+):
+    """The time-limit warning that comes before the tasks joined JAX's runtime ends them at once
+    (nothing trained, nothing lost): the job requeues itself, as after a save, but at most
+    STARTUP_REQUEUES times in a row (a --time shorter than the start-up would loop forever)."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STARTING_STAND_IN)
+    stand_in.chmod(0o755)
+    env = {**slurm["env"], "PYTHON": str(stand_in), "STARTUP_REQUEUES": "1"}
+    job_id = submit(env, repo_root, tmp_path / "job-%j.out", "run.steps=1")
+    log = tmp_path / f"job-{job_id}.out"
+    warning = ["scancel", "--signal=USR1", "--batch", job_id]  # what --signal=B:USR1@N sends
+    for session in (0, 1):
+        wait_for_line(env, job_id, log, f"starting, session {session}", timeout=120)
+        subprocess.run(warning, env=env, check=True, capture_output=True, timeout=30)
+    job = wait_for_job(env, job_id, log, timeout=120)
+
+    job_log = log.read_text()
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("FAILED", "143:0", "1"), (
+        f"{job}\n{job_log}"
+    )
+    lines = [x for x in job_log.splitlines() if x.startswith("slurm.sbatch: ")]
+    assert lines[2].startswith(
+        "slurm.sbatch: time limit near: the tasks were still starting, and ended on the SIGTERM "
+        f"before their first step (nothing trained, nothing lost); requeueing job {job_id} to "
+        "resume from the latest checkpoint (start-up requeue 1 of STARTUP_REQUEUES=1 in a row)"
+    ), job_log
+    assert lines[-1].startswith(
+        "slurm.sbatch: time limit near: the tasks were still starting, and ended on the SIGTERM "
+        "before their first step, after 1 such requeue(s) in a row (STARTUP_REQUEUES=1); not "
+        "requeueing: --time leaves no time"
+    ), job_log
+    assert len(lines) == 6, job_log  # start, warned, requeue; start, warned, stop
+    assert "startup_requeues=1" in job.get("Comment", ""), job
