@@ -159,7 +159,7 @@ def caller_run(repo_root: Path, workdir: Path, *extra: str, **env: str) -> subpr
         cwd=repo_root,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **env},
+        env={**os.environ, "PYTHONFAULTHANDLER": "1", **env},  # stacks on SIGABRT: `finished`
     )
 
 
@@ -168,7 +168,14 @@ def losses_of(workdir: Path) -> dict[int, float]:
 
 
 def finished(proc: subprocess.Popen, timeout_s: float = 300) -> str:
-    _, stderr = proc.communicate(timeout=timeout_s)
+    """The run's stderr once it exited 0; past `timeout_s`, a failure with what it said and
+    every thread's stack (SIGABRT: Python's fault handler, which `caller_run` turns on)."""
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"no exit within {timeout_s} s; its stderr, then its stacks:\n{stderr[-8000:]}")
     assert proc.returncode == 0, stderr[-3000:]
     return stderr
 
