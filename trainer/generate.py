@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from input_pipeline.corpora import BUILTIN_CORPORA, builtin_dataset_dir
-from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.dataset_info import INFO_FILE, load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer, Tokenizer, get_tokenizer
 from trainer.checkpoint import Checkpointer
@@ -68,8 +68,8 @@ class Generator:
         prompt_1xP = jnp.asarray([list(prompt_ids)], jnp.int32)
         with jax.set_mesh(self.mesh):
             ids = np.asarray(run(state, prompt_1xP, jax.random.key(seed)))[0]
-        if self.eos_id is not None and (ends := np.isin(ids, self.eos_id)).any():
-            ids = ids[: int(np.argmax(ends)) + 1]
+        if ends and (is_end := np.isin(ids, ends)).any():
+            ids = ids[: int(np.argmax(is_end)) + 1]
         return ids
 
     def complete(self, prompt: str, **settings: Any) -> str:
@@ -169,7 +169,7 @@ def _compiled(
     temperature: float,
     top_k,
     top_p: float,
-    ends: tuple[int, ...] = (),
+    ends: tuple[int, ...],
 ):
     """Prefill then a `while_loop` of one-token decode steps, jitted once per settings; the
     tokens come back replicated, readable on every host. The loop stops once every row has
@@ -291,7 +291,7 @@ def run_tokenizer(data: DataConfig) -> Tokenizer | None:
     folder = Path(path)
     if path in BUILTIN_CORPORA:
         folder = builtin_dataset_dir(path, data.cache_dir)
-    if not (folder / "dataset.json").is_file():
+    if not (folder / INFO_FILE).is_file():
         return None
     info = load_dataset_info(folder)
     return get_tokenizer(info.tokenizer, folder)

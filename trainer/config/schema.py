@@ -147,9 +147,9 @@ class DataConfig(_Section):
     @property
     def resolved_max_docs_per_row(self) -> int:
         """The bound on documents per row that the packers apply and the attention kernel is
-        built for. auto: room for documents averaging 64 tokens, plus 4 for their spread; the
-        padding it adds stays under 0.2% on the built-in corpus and on short sentences at
-        seq_len 256-2048 (BENCHMARKS.md), while each unit costs the cuDNN kernel workspace."""
+        built for. auto: room for documents averaging 64 tokens, plus 4 for their spread, which
+        adds little padding (BENCHMARKS.md, "Documents per packed row"), while each unit costs
+        the cuDNN kernel workspace."""
         if self.max_docs_per_row == "auto":
             return -(-self.seq_len // 64) + 4
         return self.max_docs_per_row
@@ -166,7 +166,7 @@ class ModelConfig(_Section):
     max_seq_len: int | None = Field(None, ge=2)
     rope_theta: float = Field(10000.0, gt=0)
     # Llama 3 / Mistral checkpoints need these to match exactly (trainer/hf/config.py reads them
-    # from a Hugging Face config.json); the defaults keep earlier runs bit-identical
+    # from a Hugging Face config.json)
     norm_eps: float = Field(1e-6, gt=0)
     head_dim: int | None = Field(None, ge=2)  # None: d_model // num_heads
     # None, or {type: linear, factor} or {type: llama3, factor, low_freq_factor,

@@ -75,7 +75,7 @@ def _packed_preference(requested: str, facts: AttentionFacts) -> list[Kernel]:
     BENCHMARKS.md); the last one always runs."""
     if facts.pipelined:
         return ["xla"]
-    capability = _parse_capability(facts.compute_capability) or (0, 0)
+    capability = parse_capability(facts.compute_capability) or (0, 0)
     preference: list[Kernel] = []
     if capability >= (9, 0) and facts.max_docs_per_row is not None:
         preference.append("cudnn_packed")
@@ -212,7 +212,7 @@ class CheckedBatches:
 
 def _cudnn_problem(facts: AttentionFacts) -> str | None:
     """What stops cuDNN flash attention here (the checks of `jax._src.cudnn`), or None."""
-    capability = _parse_capability(facts.compute_capability) if facts.platform == "gpu" else None
+    capability = parse_capability(facts.compute_capability) if facts.platform == "gpu" else None
     if capability is None:
         gpu = facts.platform == "gpu"
         return "a GPU without a CUDA compute capability" if gpu else facts.platform
@@ -227,7 +227,8 @@ def _cudnn_problem(facts: AttentionFacts) -> str | None:
     return None
 
 
-def _parse_capability(compute_capability: str | None) -> tuple[int, int] | None:
+def parse_capability(compute_capability: str | None) -> tuple[int, int] | None:
+    """`"9.0"` as `(9, 0)`; None for anything else (no capability, a malformed one)."""
     try:
         major, minor = str(compute_capability).split(".")
         return int(major), int(minor)

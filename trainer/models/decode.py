@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainer.models.attention import attention_dtype
-from trainer.models.layers import Attention, PackedLayout, rotary
-from trainer.models.transformer import Transformer, _matrices_in
+from trainer.models.layers import Attention, PackedLayout
+from trainer.models.transformer import Transformer
 
 
 class KVCache(NamedTuple):
@@ -35,9 +35,7 @@ def _cached_attention(
 ):
     """Attention of T new tokens at positions start.. over the cache, which they are written to."""
     B, T, _ = x_BxTxD.shape
-    q_BxTxHxK = rotary(attn.q(x_BxTxD).reshape(B, T, attn.num_heads, attn.head_dim), layout)
-    k_BxTxGxK = rotary(attn.k(x_BxTxD).reshape(B, T, attn.num_kv_heads, attn.head_dim), layout)
-    v_BxTxGxK = attn.v(x_BxTxD).reshape(B, T, attn.num_kv_heads, attn.head_dim)
+    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = attn.rotated_qkv(x_BxTxD, layout)
     at = (0, start, 0, 0)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxTxGxK.astype(k_cache.dtype), at)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxTxGxK.astype(v_cache.dtype), at)
@@ -66,8 +64,7 @@ def decode(
     )
     # causal over the cache: a query sees the keys at its own position and before
     mask_1x1xTxS = (jnp.arange(length)[None, :] <= positions_T[:, None])[None, None]
-    graphdef, stacked = nnx.split(model.blocks)
-    stacked = _matrices_in(spec.compute_dtype, stacked)
+    graphdef, stacked = model.stacked_layers()
 
     def body(x_BxTxD, layer):
         state, k_cache, v_cache = layer
@@ -80,7 +77,4 @@ def decode(
         return x_BxTxD, (k_cache, v_cache)
 
     x_BxTxD, (k, v) = jax.lax.scan(body, model.embed(tokens_BxT), (stacked, cache.k, cache.v))
-    x_BxTxD = model.final_norm(x_BxTxD)
-    head = model.embed.attend if spec.tie_embeddings else model.lm_head
-    logits_BxTxV = head(x_BxTxD)
-    return logits_BxTxV.astype(jnp.float32), KVCache(k, v)
+    return model.logits(x_BxTxD), KVCache(k, v)

@@ -100,10 +100,10 @@ class RMSNorm(nnx.Module):
 
 
 class PackedLayout(NamedTuple):
-    """What every attention layer derives from a packed batch's `segment_ids` and `positions`:
-    built once per forward pass, not once per layer (inside the layer scan XLA recomputed the
-    mask and the rotary angles at every layer, forward and backward). Only what the chosen
-    kernel reads is built (`models/kernels.py`)."""
+    """What every attention layer derives from a packed batch's `segment_ids` and `positions`,
+    built once per forward pass: inside the layer scan XLA would recompute the mask and the
+    rotary angles at every layer, forward and backward. Only what the chosen kernel reads is
+    built (`models/kernels.py`)."""
 
     # [B, 1, L, L]: causal, and never across documents of a packed row (xla, xla_dropout,
     # cudnn_mask); None for rows of one document each, which attend causally without a mask
@@ -156,7 +156,8 @@ def packed_causal_mask(segment_ids_BxL: jax.Array) -> jax.Array:
     return (causal_LxL[None] & same_doc_BxLxL)[:, None]  # [B, 1, L, L], broadcast over heads
 
 
-def _dense(d_in: int, d_out: int, axes: tuple[str, str], spec: TransformerSpec, rngs: nnx.Rngs):
+def dense(d_in: int, d_out: int, axes: tuple[str, str], spec: TransformerSpec, rngs: nnx.Rngs):
+    """A bias-free `nnx.Linear` in the spec's dtypes and matmul, its kernel's axes named `axes`."""
     return nnx.Linear(
         d_in,
         d_out,
@@ -179,20 +180,25 @@ class Attention(nnx.Module):
         # a forced kernel that cannot run here fails at build, not at the first step's compile
         check_requested(spec.attention, spec.compute_dtype, spec.head_dim)
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q = _dense(spec.d_model, q_dim, ("embed", "heads"), spec, rngs)
-        self.k = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
-        self.v = _dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
-        self.out = _dense(q_dim, spec.d_model, ("heads", "embed"), spec, rngs)
+        self.q = dense(spec.d_model, q_dim, ("embed", "heads"), spec, rngs)
+        self.k = dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
+        self.v = dense(spec.d_model, kv_dim, ("embed", "kv"), spec, rngs)
+        self.out = dense(q_dim, spec.d_model, ("heads", "embed"), spec, rngs)
+
+    def rotated_qkv(self, x_BxLxD, layout: PackedLayout):
+        """Queries, keys and values split into heads, queries and keys rotated to each token's
+        position: the forward pass and the cached decoder (`models/decode.py`) share them."""
+        B, L, _ = x_BxLxD.shape
+        q_BxLxHxK = self.q(x_BxLxD).reshape(B, L, self.num_heads, self.head_dim)
+        k_BxLxGxK = self.k(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
+        v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
+        return rotary(q_BxLxHxK, layout), rotary(k_BxLxGxK, layout), v_BxLxGxK
 
     def __call__(self, x_BxLxD, layout: PackedLayout, kernel: str = "xla", dropout_key=None):
         """`kernel`: chosen once per forward pass by the model (`models/attention.py`);
         `dropout_key`: drops attention probabilities (`xla_dropout` only)."""
         B, L, _ = x_BxLxD.shape
-        q_BxLxHxK = self.q(x_BxLxD).reshape(B, L, self.num_heads, self.head_dim)
-        k_BxLxGxK = self.k(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
-        v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, self.num_kv_heads, self.head_dim)
-        q_BxLxHxK = rotary(q_BxLxHxK, layout)
-        k_BxLxGxK = rotary(k_BxLxGxK, layout)
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.rotated_qkv(x_BxLxD, layout)
         dtype = attention_dtype(self.compute_dtype)
         out_BxLxHxK = attend(
             kernel,
@@ -210,9 +216,9 @@ class SwiGLU(nnx.Module):
     """MLP with a SiLU-gated linear unit: column-parallel gate/up, row-parallel down."""
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
-        self.gate = _dense(spec.d_model, spec.d_ff, ("embed", "mlp"), spec, rngs)
-        self.up = _dense(spec.d_model, spec.d_ff, ("embed", "mlp"), spec, rngs)
-        self.down = _dense(spec.d_ff, spec.d_model, ("mlp", "embed"), spec, rngs)
+        self.gate = dense(spec.d_model, spec.d_ff, ("embed", "mlp"), spec, rngs)
+        self.up = dense(spec.d_model, spec.d_ff, ("embed", "mlp"), spec, rngs)
+        self.down = dense(spec.d_ff, spec.d_model, ("mlp", "embed"), spec, rngs)
 
     def __call__(self, x_BxLxD):
         return self.down(nnx.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD))

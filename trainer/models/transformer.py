@@ -27,6 +27,7 @@ from trainer.models.layers import (
     RMSNorm,
     SwiGLU,
     TransformerSpec,
+    dense,
     partitioned,
 )
 from trainer.models.matmul import BF16_DOT
@@ -62,8 +63,8 @@ class Block(nnx.Module):
         h = self.attn(self.attn_norm(x_BxLxD), layout, kernel, keys[2])
         x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[0])
         h = self.mlp(self.mlp_norm(x_BxLxD))
-        # inside a pipeline stage (vmapped over `stage`) rows split over (data, fsdp) only
         x_BxLxD = x_BxLxD + dropout(h, self.dropout_rate, keys[1])
+        # inside a pipeline stage (vmapped over `stage`) rows split over (data, fsdp) only
         return rows_like_the_batch(x_BxLxD, STAGE_BATCH_AXES)
 
 
@@ -112,16 +113,7 @@ class Transformer(nnx.Module):
         self.blocks = make_stack(rngs)
         self.final_norm = RMSNorm(spec.d_model, spec.param_dtype, spec.norm_eps)
         if not spec.tie_embeddings:
-            self.lm_head = nnx.Linear(
-                spec.d_model,
-                spec.vocab_size,
-                use_bias=False,
-                dtype=spec.compute_dtype,
-                param_dtype=spec.param_dtype,
-                kernel_init=partitioned(nnx.initializers.lecun_normal(), ("embed", "vocab")),
-                dot_general=spec.dot_general,
-                rngs=rngs,
-            )
+            self.lm_head = dense(spec.d_model, spec.vocab_size, ("embed", "vocab"), spec, rngs)
         # Dropout needs fresh randomness each step: keep an RNG stream in the model state.
         self.dropout_rngs = nnx.Rngs(dropout=rngs.params()) if spec.dropout > 0 else None
 
@@ -149,13 +141,20 @@ class Transformer(nnx.Module):
             max_segments=(self.spec.max_docs_per_row or 0) + 1,
         )
         x_BxLxD = self._run_blocks(x_BxLxD, layout, kernel, layers_key)
+        return rows_like_the_batch(self.logits(x_BxLxD))
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """The last layer's output through the final norm and the output head (the embedding
+        when tied), in float32: bf16 loses the small probabilities of the softmax and loss."""
         x_BxLxD = self.final_norm(x_BxLxD)
-        if self.spec.tie_embeddings:
-            logits_BxLxV = self.embed.attend(x_BxLxD)
-        else:
-            logits_BxLxV = self.lm_head(x_BxLxD)
-        # fp32 softmax/loss: bf16 loses small probabilities
-        return rows_like_the_batch(logits_BxLxV.astype(jnp.float32))
+        head = self.embed.attend if self.spec.tie_embeddings else self.lm_head
+        return head(x_BxLxD).astype(jnp.float32)
+
+    def stacked_layers(self) -> tuple[nnx.GraphDef, nnx.State]:
+        """The layers' graph and their stacked state (`[layers, ...]`), weight matrices already
+        in the compute dtype (`_matrices_in`)."""
+        graphdef, stacked = nnx.split(self.blocks)
+        return graphdef, _matrices_in(self.spec.compute_dtype, stacked)
 
     def _run_blocks(self, x_BxLxD, layout: PackedLayout, kernel: str, dropout_key=None):
         """One scan over the stacked layers: the step compiles one block, whatever the depth.
@@ -164,8 +163,7 @@ class Transformer(nnx.Module):
         for shallow models on CPU (BENCHMARKS.md, nanoGPT recipe); compile time grows with depth.
         With pipeline stages, each stage runs its contiguous share of the layers that way on one
         microbatch at a time (`trainer/parallel/pipeline.py`)."""
-        graphdef, stacked = nnx.split(self.blocks)
-        stacked = _matrices_in(self.spec.compute_dtype, stacked)
+        graphdef, stacked = self.stacked_layers()
         layer_keys = None
         if dropout_key is not None:
             layer_keys = jax.random.split(dropout_key, self.spec.num_layers)

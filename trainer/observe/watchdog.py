@@ -129,10 +129,9 @@ class Watchdog:
         process = _process_label()
         print(
             f"error: watchdog{process}: no progress for {_seconds(waited)} s (limit "
-            f"{_seconds(limit)} s, "
-            f"run.step_timeout_s) at step {self.step}, last completed step {last}, waiting "
-            f"for {WAITS.get(self.current, self.current)}; stacks above. Exiting with status "
-            f"{EXIT_STUCK} so the launcher restarts the job from the latest checkpoint",
+            f"{_seconds(limit)} s, run.step_timeout_s) at step {self.step}, last completed step "
+            f"{last}, waiting for {WAITS.get(self.current, self.current)}; stacks above. Exiting "
+            f"with status {EXIT_STUCK} so the launcher restarts the job from the latest checkpoint",
             file=out,
             flush=True,
         )

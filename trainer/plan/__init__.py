@@ -6,10 +6,10 @@ not fit, the change with the least modelled step-time cost that does, itself com
 
 With `--gpu NAME` (h200, h100, a100, l4, rtx2080ti, ...: `trainer.plan.gpu.GPUS`; any other name
 is bad input) XLA's GPU compiler compiles the step for that GPU, here, without one (jax's CUDA
-plugin, the `gpu-plan` extra): its buffer assignment, within 2.5% of the peaks measured on an
-H200. Without `--gpu`, or where that compile is impossible (one line says why), XLA:CPU compiles
-it for N fake CPU devices: an estimate that read 1.4x to 3x the GPU's peak (printed beside it),
-against the GPU's memory.
+plugin, the `gpu-plan` extra): its buffer assignment. Without `--gpu`, or where that compile is
+impossible (one line says why), XLA:CPU compiles it for N fake CPU devices: an estimate that reads
+high (printed beside it), against the GPU's memory. Both against an H200's measured peaks:
+BENCHMARKS.md, "Planning for a GPU without one".
 
 Exit 0: fits; 1: does not fit (a suggested change, if one was found, is printed); 2: bad input.
 """
@@ -158,8 +158,8 @@ class Search:
 
     target: Target
     rates: cost.Rates  # the GPU whose rates price each change's step time
-    one_document_per_row: bool = False
-    max_tries: int = 12
+    one_document_per_row: bool
+    max_tries: int
 
 
 def suggest(

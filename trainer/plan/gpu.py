@@ -5,8 +5,8 @@ or GPU needed) makes compile-only devices from a `GpuTargetConfigProto`
 (`jax.experimental.topologies`). The step is traced on the plan's CPU devices and lowered for
 CUDA, because jax 0.10's compile-only GPU devices list no memories and would drop the pinned-host
 placement of offloaded state; the plugin then compiles that module for the GPU. Its memory
-analysis is the GPU's buffer assignment, host bytes reported apart: within 2.5% of the peaks
-measured on an H200 (issue 28; BENCHMARKS.md, "Planning for a GPU without one").
+analysis is the GPU's buffer assignment, host bytes reported apart (against an H200's measured
+peaks: BENCHMARKS.md, "Planning for a GPU without one").
 
 Three things reach into jax's private modules, all here, each failing into `GpuPlanError`:
 the compile options and the compile-only client's `compile`, and the trace-time checks of jax's
@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainer.models.attention import parse_capability
 from trainer.models.kernels import planned_device
 from trainer.plan.cost import Rates
 
@@ -194,8 +195,8 @@ def answering_cudnn_checks(gpu: Gpu) -> Iterator[None]:
         raise GpuPlanError(f"this jax has no {_CUDNN_MODULE} ({err})") from None
     answers = {
         "check_cudnn_version": lambda: _CUDNN_VERSION,
-        "check_compute_capability": lambda c: _capability(c) <= gpu.capability,
-        "is_cuda_compute_capability_equal": lambda c: _capability(c) == gpu.capability,
+        "check_compute_capability": lambda c: parse_capability(c) <= gpu.capability,
+        "is_cuda_compute_capability_equal": lambda c: parse_capability(c) == gpu.capability,
     }
     missing = [name for name in answers if not hasattr(module, name)]
     if missing:
@@ -208,11 +209,6 @@ def answering_cudnn_checks(gpu: Gpu) -> Iterator[None]:
     finally:
         for name, original in saved.items():
             setattr(module, name, original)
-
-
-def _capability(text: str) -> tuple[int, int]:
-    major, minor = text.split(".")
-    return int(major), int(minor)
 
 
 @dataclass(frozen=True)
