@@ -4,6 +4,7 @@ while the current step runs, so a step never starts by copying its input."""
 from __future__ import annotations
 
 import math
+import mmap
 import queue
 import threading
 import time
@@ -61,7 +62,7 @@ def to_global(
 ) -> dict[str, jax.Array]:
     """This host's rows -> one global array per field (every row block in order, each fed by
     `feeders`' processes: `row_feeders`), each with `sharding`, the one the jitted steps declare."""
-    local = {name: np.asarray(value) for name, value in batch.items()}
+    local = {name: in_own_memory(np.asarray(value)) for name, value in batch.items()}
     try:
         if jax.process_count() == 1:  # this host's rows are the global batch
             # the transfers `jax.device_put` makes, in half its host time (a 64 x 256 batch on
@@ -76,6 +77,26 @@ def to_global(
     except ValueError:  # jax's own error names its sharding internals, not the batch or the fix
         _check_rows_divide(_global_shapes(local, feeders), sharding)
         raise
+
+
+def in_own_memory(value: np.ndarray) -> np.ndarray:
+    """`value`, copied if it lies in a memory map: a Grain worker's batch in shared memory. JAX's
+    CPU arrays alias the host arrays they are made from, and JAX may let go of one only at its
+    next transfer: the last batches of a run stayed in /dev/shm after the run waited for Grain to
+    unlink them (`wait_for_dropped_batches`), until the interpreter's exit, and Python's resource
+    tracker then warned of "leaked shared_memory objects". With a copy placed, the batch itself
+    is dropped as soon as it is placed, and Grain unlinks it."""
+    return np.array(value) if _in_memory_map(value) else value
+
+
+def _in_memory_map(value: np.ndarray) -> bool:
+    """Whether the memory under `value` (through its views) is a memory map's."""
+    base = value.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return isinstance(base, mmap.mmap)
 
 
 def _global_shapes(local: Mapping[str, np.ndarray], feeders: int) -> dict[str, tuple[int, ...]]:
