@@ -6,6 +6,7 @@ start-up, and the run trained and finished instead."""
 import gc
 import signal
 import sys
+import time
 
 import pytest
 
@@ -63,7 +64,43 @@ def test_other_swallowed_exceptions_are_still_reported():
     assert [type(s.exc_value) for s in seen] == [ValueError]
 
 
-def test_several_processes_leave_sigterm_alone():
+def test_several_processes_leave_sigterm_to_jax_once_joined():
+    """Until the processes joined JAX's runtime a SIGTERM is ours (it ends the process with its
+    line: tests/test_multihost.py); then it is JAX's preemption service's, also once the run
+    ends: restoring the handler from before would remove JAX's."""
     before = signal.getsignal(signal.SIGTERM)
-    with OutsideLoop(single_process=False):
-        assert signal.getsignal(signal.SIGTERM) is before
+
+    def jax_preemption_notifier(_signum, _frame) -> None:
+        pass
+
+    try:
+        with OutsideLoop(single_process=False) as outside:
+            assert signal.getsignal(signal.SIGTERM) is not before
+            signal.signal(signal.SIGTERM, jax_preemption_notifier)  # what joining installs
+            outside.runtime_joined()
+            with StopRequest():
+                pass
+        assert signal.getsignal(signal.SIGTERM) is jax_preemption_notifier
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_sigterm_that_came_just_before_jax_took_it_over_is_handed_on():
+    """A SIGTERM that reached our handler just before JAX's preemption service replaced it, but
+    ran it once the processes had joined, goes to JAX's handler, which stops every process after
+    the same step: ending this one alone would leave the others waiting in a collective."""
+    seen: list[int] = []
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with OutsideLoop(single_process=False) as outside:
+            ours = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, lambda signum, _frame: seen.append(signum))  # JAX's
+            outside.runtime_joined()
+            ours(signal.SIGTERM, None)
+            for _ in range(1000):  # Python runs the handler on this thread, between bytecodes
+                if seen:
+                    break
+                time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [signal.SIGTERM]

@@ -67,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 def train(config: Config) -> str:
     """Run `config`; the run's last line: where it finished, or where a SIGTERM outside the step
     loop stopped it (exit 0, as a stop in the loop)."""
-    from trainer.parallel.distributed import cluster_from_env, maybe_initialize
+    from trainer.parallel.distributed import cluster_from_env, describe, initialize
     from trainer.preemption import OutsideLoop, Stopped  # heavy imports only when training
 
+    cluster = cluster_from_env()
     try:
-        with OutsideLoop(single_process=cluster_from_env() is None):
-            maybe_initialize()  # before any other JAX call (and before importing the trainer)
+        with OutsideLoop(cluster is None, describe(cluster) if cluster else "") as outside:
+            if cluster is not None:  # before any other JAX call (and before importing the trainer)
+                initialize(cluster, joined=outside.runtime_joined)
             from absl import flags
 
             flags.FLAGS.mark_as_parsed()  # Grain worker processes (data.workers > 0) read them

@@ -12,15 +12,20 @@ trained, so a single process's SIGTERM ends the run at once with one line (`Outs
 its cleanups: its default action killed it mid-way, without a word (a half-prepared built-in
 corpus stayed behind in the cache). Python swallows an exception raised where it cannot propagate
 (a garbage-collector callback, a `__del__`), so a stop raised there is kept and raised again when
-the loop would start, or when the run closes.
+the loop would start, or when the run closes. Several processes get the same line while they have
+not yet joined JAX's runtime (a Slurm time-limit warning during start-up, a SIGTERM to
+launch/local.sh): once joined, JAX's preemption service holds SIGTERM and stops them all after
+their first step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 import jax
 from jax.experimental import multihost_utils
@@ -92,10 +97,11 @@ class Stopped(BaseException):
     """A SIGTERM outside the step loop: raised where the main thread is, so that cleanups run.
     A `BaseException`, like `KeyboardInterrupt`, so that no `except Exception` swallows it."""
 
-    def __init__(self, signal_name: str, loop_started: bool) -> None:
+    def __init__(self, signal_name: str, loop_started: bool, joining: str | None = None) -> None:
         super().__init__(signal_name)
         self.signal_name = signal_name
         self.loop_started = loop_started
+        self.joining = joining  # the cluster this process was joining, e.g. "the cluster at ..."
 
     def line(self) -> str:
         """What the stop says: as the loop's stop line, whether anything is lost and what next."""
@@ -104,29 +110,53 @@ class Stopped(BaseException):
                 f"stopped by {self.signal_name} while closing the run, after its last step; its "
                 "checkpoints are complete: re-run the same command to resume"
             )
+        where = f", while joining {self.joining}" if self.joining else ""
         return (
-            f"stopped by {self.signal_name} during start-up, before this session's first step; "
-            "nothing was trained, so nothing new is saved; re-run the same command to start (or "
-            "resume from the latest checkpoint)"
+            f"stopped by {self.signal_name} during start-up, before this session's first step"
+            f"{where}; nothing was trained, so nothing new is saved; re-run the same command to "
+            "start (or resume from the latest checkpoint)"
         )
 
 
 class OutsideLoop:
-    """A context manager, held around a whole run, that turns a single process's SIGTERM into
-    `Stopped` while no `StopRequest` holds it. Several processes leave SIGTERM to JAX's
-    preemption service, which stops them all after the same step, so there it does nothing.
-    SIGINT keeps its `KeyboardInterrupt`."""
+    """A context manager, held around a whole run, that turns a SIGTERM while no `StopRequest`
+    holds it into the end of the run with one line. SIGINT keeps its `KeyboardInterrupt`.
 
-    def __init__(self, single_process: bool) -> None:
+    A single process raises `Stopped` where its main thread is, so that its cleanups run. Several
+    processes do so only until they have joined JAX's runtime (`runtime_joined`): from then on
+    JAX's preemption service holds SIGTERM and stops them all after the same step, where one that
+    left alone would keep the others waiting for it in a collective. Before that, nothing has
+    started but JAX's half-made runtime, whose exit-time shutdown waits for peers that may never
+    come, so the process writes its line and ends at once (exit 0, as every stop); the others
+    stop on their own SIGTERM (a launcher's or Slurm's reaches them all), or end when JAX's
+    `JAX_INIT_TIMEOUT_S` gives up on it."""
+
+    def __init__(self, single_process: bool, cluster: str = "the cluster") -> None:
         self.loop_started = False  # a `StopRequest` took SIGTERM over (and gave it back)
         self._single_process = single_process
+        self._cluster = cluster  # what several processes join, for the line
+        self._runtime_has_sigterm = False  # JAX's preemption service replaced our handler
         self._previous: object = None
         self._previous_unraisable_hook = sys.unraisablehook
         self._raised: Stopped | None = None  # kept in case Python swallowed it
         self._installed = False
 
+    def runtime_joined(self) -> None:
+        """Several processes: JAX's runtime is joined, and its preemption service has installed
+        its own SIGTERM handler in place of ours (left in place when the run ends). Any thread
+        may call it: the one that joined does, at once."""
+        self._runtime_has_sigterm = True
+
     def _handle(self, signum: int, _frame) -> None:
-        self._raised = Stopped(signal.Signals(signum).name, self.loop_started)
+        if self._runtime_has_sigterm:  # it came just before JAX's handler took ours over
+            if not jax.config.jax_enable_preemption_service:  # none took over: as before us
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
+            return
+        name = signal.Signals(signum).name
+        if not self._single_process:
+            _end_before_joining(Stopped(name, self.loop_started, joining=self._cluster))
+        self._raised = Stopped(name, self.loop_started)
         raise self._raised
 
     def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
@@ -140,8 +170,7 @@ class OutsideLoop:
             raise Stopped(self._raised.signal_name, self.loop_started)
 
     def __enter__(self) -> OutsideLoop:
-        main_thread = threading.current_thread() is threading.main_thread()
-        if main_thread and self._single_process:
+        if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             self._previous_unraisable_hook = sys.unraisablehook
             sys.unraisablehook = self._unraisable
@@ -150,8 +179,20 @@ class OutsideLoop:
 
     def __exit__(self, exc_type, *_exc) -> None:
         if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
+            if not self._runtime_has_sigterm:  # restoring the old one would remove JAX's
+                signal.signal(signal.SIGTERM, self._previous)
             sys.unraisablehook = self._previous_unraisable_hook
             self._installed = False
             if exc_type is None:
                 self.raise_swallowed()  # a stop swallowed while the run closed
+
+
+def _end_before_joining(stop: Stopped) -> NoReturn:
+    """Write the stop's line and end the process now (see `OutsideLoop`). Written straight to
+    the file descriptor: this runs in a signal handler, maybe in the middle of a print."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a print that this handler interrupted
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"{stop.line()}\n".encode())  # stderr's descriptor
+    os._exit(0)

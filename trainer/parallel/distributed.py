@@ -32,8 +32,9 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,11 @@ def wait_for_coordinator(spec: ClusterSpec) -> int:
     )
 
 
-def initialize(spec: ClusterSpec) -> None:
+def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> None:
     """`jax.distributed.initialize` with our timeouts, after a line saying what it tries (the
-    runtime aborts the process when that fails: see the module docstring)."""
+    runtime aborts the process when that fails: see the module docstring). `joined` is called
+    the moment it returns, on the thread that joined: JAX's preemption service holds SIGTERM
+    from then on."""
     import jax  # after the environment is read: importing jax starts no backend
 
     check_coordinator_port(spec)
@@ -205,7 +208,8 @@ def initialize(spec: ClusterSpec) -> None:
         flush=True,
     )
     init_timeout_s = wait_for_coordinator(spec)
-    try:
+
+    def join() -> None:
         jax.distributed.initialize(
             coordinator_address=spec.coordinator_address,
             num_processes=spec.num_processes,
@@ -214,6 +218,11 @@ def initialize(spec: ClusterSpec) -> None:
             heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
             shutdown_timeout_seconds=spec.shutdown_timeout_s,
         )
+        if joined is not None:
+            joined()
+
+    try:
+        _on_a_thread(join)
     except (RuntimeError, ValueError) as err:  # e.g. a detected cluster missing a value
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         missing = [v for v in SLURM_VARS if v not in os.environ] if spec.source == "slurm" else []
@@ -227,6 +236,28 @@ def initialize(spec: ClusterSpec) -> None:
             f"could not join {describe(spec)}: {first_line}; check the launcher's JAX_* or "
             "scheduler variables and that process 0's address and port are reachable"
         ) from None
+
+
+def _on_a_thread(join: Callable[[], None]) -> None:
+    """Run `join` on a helper thread while the main thread waits for it. JAX's connect waits in
+    C++ until every process has come, and Python runs signal handlers only once the main thread
+    is back in Python: a SIGTERM during that wait (a Slurm time-limit warning while a peer still
+    starts) went unheard until every peer had come, or JAX's init timeout aborted the process.
+    The waits are short so that a signal delivered to another thread is handled too."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            join()
+        except BaseException as err:  # raised again on the main thread
+            failure.append(err)
+
+    joining = threading.Thread(target=run, name="joining JAX's runtime", daemon=True)
+    joining.start()
+    while joining.is_alive():
+        joining.join(timeout=0.5)
+    if failure:
+        raise failure[0]
 
 
 def maybe_initialize(environ: Mapping[str, str] = os.environ) -> None:
