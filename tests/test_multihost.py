@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -113,9 +113,23 @@ def copy_checkpoint(src: Path, step: int, dst: Path) -> None:
 
 
 def free_port() -> int:
+    """A port nobody listens on now; anyone may take it once this returns."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port for process 0's coordinator that nothing else takes while the test runs. Bound
+    with SO_REUSEADDR and never listening, it is skipped by other binds and by the ports the
+    kernel gives outgoing connections, while the coordinator (and the port check before it), which
+    bind with SO_REUSEADDR too, can still listen there. A `free_port` was anyone's again in the
+    seconds before the coordinator bound it, while the other tests connect and bind."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        yield holder.getsockname()[1]
 
 
 def cpu_env(**extra: str) -> dict[str, str]:
@@ -187,12 +201,19 @@ def baseline(tmp_path_factory, repo_root, corpus) -> Path:
     return single_process_baseline(tmp_path_factory, repo_root, corpus)
 
 
+@pytest.fixture
+def coordinator_port() -> Iterator[int]:
+    """A `reserved_port` for this test's process 0 (launch/local.sh: JAX_COORDINATOR_PORT)."""
+    with reserved_port() as port:
+        yield port
+
+
 # ----------------------------------------------------------------------------- real runs
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_stop_together_and_resume_on_one(
-    baseline, corpus, tmp_path, tmp_path_factory, repo_root
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, coordinator_port
 ):
     """launch/local.sh 2 trains on the baseline's batches; SIGTERM to one process (one host
     preempted) stops both after the same step; its checkpoint resumes on one process."""
@@ -200,7 +221,7 @@ def test_two_processes_match_one_stop_together_and_resume_on_one(
     cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
     cmd += run_args(corpus, two, "run.steps=1000")
     with log_path.open("w") as log:
-        env = cpu_env(**compile_cache(tmp_path_factory))
+        env = cpu_env(**compile_cache(tmp_path_factory), JAX_COORDINATOR_PORT=str(coordinator_port))
         launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
     try:
         wait_for(lambda: max(losses_of(two), default=0) > STEPS, [launcher], [log_path], 300)
@@ -270,7 +291,7 @@ def test_only_the_loop_asks_jax_where_to_stop_counting_this_sessions_steps(
 
 @pytest.mark.slow
 def test_a_sigterm_during_a_resumed_start_up_stops_both_after_their_first_step(
-    baseline, corpus, tmp_path, tmp_path_factory, repo_root
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, coordinator_port
 ):
     """launch/local.sh 2 resumes the baseline's step 3, and process 1 gets a SIGTERM while the
     two still restore and compile (as a Slurm time-limit warning or a preemption may land in a
@@ -282,12 +303,16 @@ def test_a_sigterm_during_a_resumed_start_up_stops_both_after_their_first_step(
     cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
     cmd += run_args(corpus, workdir, "run.steps=40", "eval.every=1000", "checkpoint.every=1000")
     with log_path.open("w") as log:
-        env = cpu_env(**compile_cache(tmp_path_factory))
+        env = cpu_env(**compile_cache(tmp_path_factory), JAX_COORDINATOR_PORT=str(coordinator_port))
         launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
     try:
 
-        def joined() -> bool:  # process 1 joined the runtime, whose preemption service takes
-            return "[Gloo] Rank 1 is connected" in log_path.read_text()  # SIGTERM from there on
+        def joined() -> bool:
+            """Both processes joined the runtime, whose preemption service takes SIGTERM from
+            there on: their first collective connects Gloo, which says so. Not "[Gloo] Rank 1
+            is connected": Gloo writes that line in pieces, from a thread per connection, and
+            two of them can interleave (see test_processes_given_different_configs...)."""
+            return "[Gloo] Rank " in log_path.read_text()
 
         wait_for(joined, [launcher], [log_path], 300)  # then checks, restore, compile: seconds
         assert not losses_of(workdir), "the SIGTERM was meant for the start-up"
@@ -303,9 +328,66 @@ def test_a_sigterm_during_a_resumed_start_up_stops_both_after_their_first_step(
     assert_losses_match(workdir, baseline, [4])
 
 
+def accepts(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:`port`."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_sigterm_before_the_processes_joined_is_one_line_from_each(
+    tmp_path, repo_root, coordinator_port
+):
+    """A SIGTERM to launch/local.sh (so to each process, as slurm.sbatch's time-limit warning
+    reaches every task) while the processes still join JAX's runtime: process 0 waits in
+    JAX's connect for process 1, which still waits for its coordinator (here one that never
+    answers). Each ends at once with its own start-up line and exit 0, as one process does, and
+    so does the launcher. They were killed by the signal without a word (143), and a Python
+    handler alone would not run until JAX's connect returned: when every peer came, or never."""
+    workdir, log_path = tmp_path / "run", tmp_path / "local.log"
+    port = coordinator_port
+    with socket.socket() as nowhere:
+        nowhere.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        python = tmp_path / "python"  # process 1 joins a coordinator that never answers
+        python.write_text(
+            f'#!/bin/sh\n[ "$JAX_PROCESS_ID" = 1 ] && '
+            f"export JAX_COORDINATOR_ADDRESS=127.0.0.1:{nowhere.getsockname()[1]}\n"
+            f'exec {sys.executable} "$@"\n'
+        )
+        python.chmod(0o755)
+        cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
+        cmd += [*TINY, f"run.workdir={workdir}", "log.tensorboard=false"]
+        env = cpu_env(PYTHON=str(python), JAX_COORDINATOR_PORT=str(port), LOCAL_DEVICE="cpu")
+        with log_path.open("w") as log:
+            launcher = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=log)
+        try:
+
+            def both_joining() -> bool:  # process 0's coordinator is up: it is in JAX's connect
+                return log_path.read_text().count("joining the cluster") == 2 and accepts(port)
+
+            wait_for(both_joining, [launcher], [log_path], 120)
+            launcher.send_signal(signal.SIGTERM)
+            status = stop_within(launcher, log_path, 60)
+        finally:
+            end_launcher(launcher, log_path)
+    log = log_path.read_text()
+    assert status == 0, log[-3000:]
+    stops = [x for x in log.splitlines() if x.startswith("stopped by SIGTERM during start-up")]
+    assert len(stops) == 2, log[-3000:]
+    for index in range(2):
+        [line] = [x for x in stops if f"as process {index} of 2;" in x]
+        assert line.startswith(
+            "stopped by SIGTERM during start-up, before this session's first step, while "
+            "joining the cluster at 127.0.0.1:"
+        ), line
+    assert "Traceback" not in log and "exited with status" not in log, log[-3000:]
+    assert not (workdir / "checkpoints").exists()
+
+
 @pytest.mark.slow
 def test_killed_process_stops_its_peer_and_the_rerun_resumes(
-    baseline, corpus, tmp_path, tmp_path_factory, repo_root, capsys
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, coordinator_port, capsys
 ):
     """Two processes started by hand (no launcher to clean up after them) resume a checkpoint
     written by one process; one is SIGKILLed; the runtime must end the other."""
@@ -313,7 +395,7 @@ def test_killed_process_stops_its_peer_and_the_rerun_resumes(
     copy_checkpoint(baseline, 3, workdir)
     cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
     cmd += run_args(corpus, workdir, "run.steps=1000", "eval.every=1000")
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{coordinator_port}"
     procs, logs = [], []
     for index in range(2):
         env = cpu_env(
@@ -365,7 +447,7 @@ def test_killed_process_stops_its_peer_and_the_rerun_resumes(
 
 @pytest.mark.slow
 def test_a_stopped_peer_trips_the_watchdog_and_the_rerun_resumes(
-    baseline, corpus, tmp_path, tmp_path_factory, repo_root, capsys
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, coordinator_port, capsys
 ):
     """launch/local.sh 2 resumes the baseline's step 3; process 1 is SIGSTOPped (alive but stuck,
     as in a hung collective: its heartbeats stop only because the test stops it whole, so the
@@ -379,6 +461,7 @@ def test_a_stopped_peer_trips_the_watchdog_and_the_rerun_resumes(
     cmd += [f"run.step_timeout_s={timeout_s}"]
     env = cpu_env(
         **compile_cache(tmp_path_factory),
+        JAX_COORDINATOR_PORT=str(coordinator_port),
         JAX_HEARTBEAT_TIMEOUT_S=str(heartbeat_s),
         LOCAL_KILL_GRACE_S="2",
     )
@@ -652,56 +735,61 @@ import sys
 from trainer.errors import ConfigError, TrainingError
 from trainer.parallel.distributed import check_same_config, check_shared_workdir, maybe_initialize
 
+folder, said = sys.argv[1:]
+said = open(said, "w", buffering=1)  # stdout also carries Gloo's lines, written in pieces
 maybe_initialize()
 me = os.environ["JAX_PROCESS_ID"]
 check_same_config({"run": {"workdir": "/w", "steps": 3}, "optim": {"lr": 0.1}})
-print("same configs agree", flush=True)
+print("same configs agree", file=said)
 try:
     check_same_config({"run": {"workdir": "/w" + me, "steps": 3}, "optim": {"lr": 0.1}})
 except ConfigError as err:
-    print(f"error: {err}", flush=True)
-check_shared_workdir(sys.argv[1] + "/shared")
-print("a shared workdir passes", flush=True)
+    print(f"error: {err}", file=said)
+check_shared_workdir(folder + "/shared")
+print("a shared workdir passes", file=said)
 try:  # each process its own folder: what a host-local disk at the same path looks like
-    check_shared_workdir(sys.argv[1] + "/local" + me, wait_s=0.5)
+    check_shared_workdir(folder + "/local" + me, wait_s=0.5)
 except ConfigError as err:
-    print(f"error: {err}", flush=True)
+    print(f"error: {err}", file=said)
 try:  # a folder under a file: process 0 cannot make it, and every process stops
-    check_shared_workdir(sys.argv[1] + "/agree.py/run")
+    check_shared_workdir(folder + "/agree.py/run")
 except TrainingError as err:
-    print(f"error: {err}", flush=True)
+    print(f"error: {err}", file=said)
 """
 
 
 def test_processes_given_different_configs_or_workdirs_are_told_so(tmp_path, repo_root):
     """Another `run.workdir` on one process, or the same path on a host-local disk, hangs the
-    first checkpoint save; every process says so instead (and the shared folder is left clean)."""
+    first checkpoint save; every process says so instead (and the shared folder is left clean).
+    Each process writes what it says to its own file: Gloo writes "[Gloo] Rank N is connected
+    ..." to stdout in pieces, from a thread per connection, and two such lines interleaved into
+    lines without "[Gloo]" (a stray "1", an empty line) that a filter of stdout kept."""
     assert check_same_config({"run": {"workdir": "/w"}}) is None, "a single process: no-op"
     assert check_shared_workdir(tmp_path / "alone") is None
     script = tmp_path / "agree.py"
     script.write_text(AGREE_ON_CONFIG)
-    env = cpu_env(
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
-        JAX_NUM_PROCESSES="2",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        PYTHONPATH=str(repo_root),
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path)],
-            cwd=repo_root,
-            env={**env, "JAX_PROCESS_ID": str(i)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
+    said = [tmp_path / f"said{i}.txt" for i in range(2)]
+    with reserved_port() as port:
+        env = cpu_env(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            PYTHONPATH=str(repo_root),
         )
-        for i in range(2)
-    ]
-    outputs = [
-        [line for line in p.communicate(timeout=120)[0].splitlines() if "[Gloo]" not in line]
-        for p in procs
-    ]
-    assert outputs == [
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path), str(said[i])],
+                cwd=repo_root,
+                env={**env, "JAX_PROCESS_ID": str(i)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        printed = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], printed
+    assert [path.read_text().splitlines() for path in said] == [
         [
             "same configs agree",
             f"error: process 1's config differs from process 0's in run.workdir (process {i} "
@@ -715,7 +803,7 @@ def test_processes_given_different_configs_or_workdirs_are_told_so(tmp_path, rep
             + "; choose a writable folder",
         ]
         for i in range(2)
-    ]
+    ], printed
     assert list((tmp_path / "shared").iterdir()) == []
 
 
@@ -802,7 +890,7 @@ def test_finished_eval_streams_pad_with_zero_weight_rows():
 
 @pytest.mark.slow
 def test_pipeline_stages_on_two_hosts_match_one(
-    baseline, corpus, tmp_path, tmp_path_factory, repo_root
+    baseline, corpus, tmp_path, tmp_path_factory, repo_root, coordinator_port
 ):
     """launch/local.sh 2 with mesh.stage=2: each host is one stage and, outside the pipeline,
     holds its own half of the batch's rows, so each reads its own stream; the losses are the
@@ -811,7 +899,7 @@ def test_pipeline_stages_on_two_hosts_match_one(
     cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
     cmd += run_args(corpus, staged, "mesh.stage=2", "mesh.data=4")
     with log_path.open("w") as log:
-        env = cpu_env(**compile_cache(tmp_path_factory))
+        env = cpu_env(**compile_cache(tmp_path_factory), JAX_COORDINATOR_PORT=str(coordinator_port))
         status = subprocess.run(cmd, cwd=repo_root, env=env, stdout=log, stderr=log, timeout=600)
     log = log_path.read_text()
     assert status.returncode == 0, log[-3000:]
