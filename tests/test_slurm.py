@@ -36,6 +36,8 @@ from test_multihost import (
     single_process_baseline,
 )
 
+from trainer.preemption import Stopped
+
 DAEMONS = ("slurmctld", "slurmd")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
@@ -322,23 +324,35 @@ def test_bad_knobs_of_the_slurm_script_are_one_line(repo_root, knobs, message):
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-STARTING_STAND_IN = """#!/bin/sh
-# python -m trainer.main ... still starting when the warning comes: before it joins JAX's runtime
-# a SIGTERM ends it (srun: "tasks 0-1: Terminated"). Each session says it is starting.
+KILLED_STAND_IN = """#!/bin/sh
+# python -m trainer.main ... still importing when the warning comes: its default SIGTERM action
+# ends it (srun: "tasks 0-1: Terminated"). Each session says it is starting.
 echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >&2
 exec sleep 120
 """
 
+# ... or joining JAX's runtime: the trainer's own start-up line (the file `line` beside it), exit 0
+ANSWERING_STAND_IN = """#!/bin/sh
+echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >&2
+sleep 120 &
+trap 'kill $!; cat "$(dirname "$0")/line" >&2; exit 0' TERM
+wait
+"""
 
+
+@pytest.mark.parametrize("stand_in_text", [KILLED_STAND_IN, ANSWERING_STAND_IN])
 def test_a_warning_during_the_tasks_start_up_requeues_the_job_a_bounded_number_of_times(
-    slurm, tmp_path, repo_root
+    slurm, tmp_path, repo_root, stand_in_text
 ):
     """The time-limit warning that comes before the tasks joined JAX's runtime ends them at once
     (nothing trained, nothing lost): the job requeues itself, as after a save, but at most
-    STARTUP_REQUEUES times in a row (a --time shorter than the start-up would loop forever)."""
+    STARTUP_REQUEUES times in a row (a --time shorter than the start-up would loop forever).
+    Before, a trainer that said so and exited 0 was taken for one that saved: requeued forever."""
     stand_in = tmp_path / "python"
-    stand_in.write_text(STARTING_STAND_IN)
+    stand_in.write_text(stand_in_text)
     stand_in.chmod(0o755)
+    joining = "the cluster at 127.0.0.1:1234 as process 0 of 2"
+    (tmp_path / "line").write_text(Stopped("SIGTERM", False, joining=joining).line() + "\n")
     env = {**slurm["env"], "PYTHON": str(stand_in), "STARTUP_REQUEUES": "1"}
     job_id = submit(env, repo_root, tmp_path / "job-%j.out", "run.steps=1")
     log = tmp_path / f"job-{job_id}.out"
