@@ -141,6 +141,10 @@ def test_cli_mesh_that_does_not_match_devices_exits_2(repo_root, tmp_path):
         (["checkpoint.async=maybe"], "(got 'maybe'); use true or false"),
         (["model.rope_scaling={type: linear, factor: abc}"], "rope_scaling.factor='abc' is not"),
         (["model.rope_scaling={factor: 2}"], "model.rope_scaling has no type; add type: one of"),
+        (
+            ["model.rope_scaling={type: linear, rope_type: llama3, factor: 2}"],
+            "model.rope_scaling sets rope_type='llama3' and type='linear'; delete the wrong one",
+        ),
     ],
 )
 def test_malformed_values_name_the_key_and_the_fix(overrides, expected):
@@ -151,6 +155,25 @@ def test_malformed_values_name_the_key_and_the_fix(overrides, expected):
     message = str(info.value)
     assert expected in message and "\n" not in message
     assert "Config" not in message and "valid keys: ;" not in message
+
+
+def test_rope_scaling_of_two_different_kinds_exits_2_naming_both_keys(repo_root):
+    """`{type: llama3, rope_type: linear, ...}` was checked as llama3 and trained as linear."""
+    llama3 = (
+        "factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 16"
+    )
+    proc = cli(repo_root, f"model.rope_scaling={{type: llama3, rope_type: linear, {llama3}}}")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "model.rope_scaling sets rope_type='linear' and type='llama3'; delete" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "kind", ["type: linear", "rope_type: linear", "type: linear, rope_type: linear"]
+)
+def test_rope_scaling_kind_in_either_spelling_or_both_alike_loads(kind):
+    scaling = load_config(None, [f"model.rope_scaling={{{kind}, factor: 2.0}}"]).model.rope_scaling
+    assert scaling["factor"] == 2.0
 
 
 def test_text_fields_keep_the_text_typed():

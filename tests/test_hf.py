@@ -163,6 +163,26 @@ def test_damaged_config_json_is_one_line_naming_the_file_or_field(tmp_path, dama
     assert "restore the file the model came with" in message
 
 
+def test_config_json_rope_of_two_different_kinds_is_one_line_naming_both_keys(tmp_path):
+    """A config.json with `rope_type: llama3` and `type: linear` imported as llama3 silently."""
+    rope = json.loads((UNTIED / "config.json").read_text())["rope_parameters"]
+    folder = damaged_copy(tmp_path, edit_config({"rope_parameters": {**rope, "type": "linear"}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"checkpoint.init_from=hf:{folder}"])
+    assert str(info.value) == (
+        "config.json rope_parameters sets rope_type='llama3' and type='linear'; delete the wrong "
+        "one (both name the rope scaling's kind)"
+    )
+
+
+def test_config_json_rope_kind_under_both_keys_alike_reads_as_one():
+    hf = json.loads((UNTIED / "config.json").read_text())
+    both = {**hf, "rope_parameters": {**hf["rope_parameters"], "type": "llama3"}}
+    assert model_fields(both) == model_fields(hf)
+    config = config_from_dict({"model": model_fields(both)})
+    assert hf_config(config.model, 64)["rope_scaling"]["rope_type"] == "llama3"
+
+
 @pytest.mark.parametrize("size", [5, 20_000], ids=["header_cut", "tensors_cut"])
 def test_truncated_safetensors_is_one_line_naming_the_file(tmp_path, size):
     folder = damaged_copy(tmp_path, lambda f: os.truncate(f / "model.safetensors", size))

@@ -172,6 +172,35 @@ def test_unrolled_layers_match_the_scan():
     jax.tree.map(close, grads_s, grads_u)
 
 
+LLAMA3 = "factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 4"
+
+
+@pytest.mark.parametrize("kind", ["rope_type: llama3", "type: llama3, rope_type: llama3"])
+def test_rope_kind_under_either_key_scales_alike(kind):
+    tokens = np.arange(2 * 16).reshape(2, 16) % 64
+    logits = make([f"model.rope_scaling={{{kind}, {LLAMA3}}}"])(batch_of(tokens))
+    expected = make([f"model.rope_scaling={{type: llama3, {LLAMA3}}}"])(batch_of(tokens))
+    np.testing.assert_array_equal(logits, expected)
+    assert not np.allclose(logits, make()(batch_of(tokens)))
+
+
+def test_a_model_spec_with_two_rope_kinds_is_refused_before_tracing():
+    """A config built without validation (library use): it used to trace as llama3, then fail
+    on a KeyError for low_freq_factor, a key the user never meant to set."""
+    config = load_config(None, SMALL).model
+    unchecked = config.model_copy(
+        update={"rope_scaling": {"type": "linear", "rope_type": "llama3", "factor": 2.0}}
+    )
+    with pytest.raises(ConfigError, match="sets rope_type='llama3' and type='linear'; delete"):
+        build_model(
+            unchecked,
+            vocab_size=64,
+            rngs=nnx.Rngs(0),
+            compute_dtype="float32",
+            param_dtype="float32",
+        )
+
+
 def test_unknown_kind_names_the_fix():
     with pytest.raises(ConfigError, match="not a built-in model"):
         make(["model.kind=gpt5"])

@@ -1,5 +1,9 @@
 """User-facing errors: the CLI turns these into one line on stderr and exit code 2."""
 
+from __future__ import annotations
+
+import json
+
 
 class ConfigError(ValueError):
     """A config value a user can fix: the message names the key, the problem and the fix."""
@@ -7,3 +11,24 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (a NaN loss, a checkpoint from another model): message says why."""
+
+
+LINE_LIMIT = 240  # characters of an error's message that a one-line report quotes
+
+
+def first_line(err: BaseException, *, with_type: bool = True) -> str:
+    """An error as one short line for a one-line report (XLA's and Orbax's run to many lines):
+    its type's name (unless `with_type` is false), then the first line of its message, cut at
+    LINE_LIMIT characters."""
+    if isinstance(err, KeyError) and err.args:
+        text = str(err.args[0])  # the key, not its repr
+    elif isinstance(err, json.JSONDecodeError):
+        text = f"invalid JSON: {err}"  # "Expecting value: line 1 ..." alone does not say what
+    else:
+        text = str(err)
+    line = (text.strip().splitlines() or [""])[0].strip()
+    if not line:
+        line = type(err).__name__
+    elif with_type:
+        line = f"{type(err).__name__}: {line}"
+    return line if len(line) <= LINE_LIMIT else line[: LINE_LIMIT - 3] + "..."

@@ -20,7 +20,7 @@ from pydantic import (
 from pydantic_core import PydanticKnownError
 
 from trainer.config.validation import as_typed, set_dotted, validated
-from trainer.hf.config import ROPE_SCALING_KEYS
+from trainer.hf.config import ROPE_SCALING_KEYS, split_rope_scaling
 
 
 class _Section(BaseModel):
@@ -213,7 +213,7 @@ class ModelConfig(_Section):
 
 def _check_rope_scaling(scaling: dict[str, Any]) -> None:
     """Checked here, not when the model is built: a bad value would stop a run mid-compile."""
-    kind = scaling.get("type", scaling.get("rope_type"))
+    kind, _ = split_rope_scaling(scaling, "model.rope_scaling")
     if kind is None:
         raise ValueError(
             f"model.rope_scaling has no type; add type: one of {sorted(ROPE_SCALING_KEYS)} "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,21 @@ ROPE_SCALING_KEYS = {
         "original_max_position_embeddings",
     ),
 }
+ROPE_KIND_KEYS = ("rope_type", "type")  # the kind's key: transformers' spelling, older configs'
+
+
+def split_rope_scaling(scaling: Mapping[str, Any], where: str) -> tuple[str | None, dict[str, Any]]:
+    """`(kind, other keys)` of a rope scaling, its kind under `rope_type` (transformers' spelling)
+    or `type` (older configs'): every reader splits here, so none checks one kind and computes
+    another. Both keys with different kinds: a one-line error naming `where`."""
+    named = {key: scaling[key] for key in ROPE_KIND_KEYS if scaling.get(key) is not None}
+    if len(set(named.values())) > 1:
+        raise ConfigError(
+            f"{where} sets rope_type={named['rope_type']!r} and type={named['type']!r}; delete the "
+            "wrong one (both name the rope scaling's kind)"
+        )
+    others = {key: value for key, value in scaling.items() if key not in ROPE_KIND_KEYS}
+    return next(iter(named.values()), None), others
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
@@ -56,10 +72,10 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """`(rope_theta, rope_scaling)` from either transformers' spelling; None: unscaled."""
     params = dict(_mapping(hf, "rope_parameters"))
     theta = _real("rope_theta", params.pop("rope_theta", hf.get("rope_theta")), 1e4)
+    field = "rope_parameters" if params else "rope_scaling"
     scaling = params or dict(_mapping(hf, "rope_scaling"))
-    kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    if kind == "default":
+    kind, scaling = split_rope_scaling(scaling, f"config.json {field}")
+    if kind in (None, "default"):
         return theta, None
     if kind not in ROPE_SCALING_KEYS:
         raise ConfigError(
@@ -184,9 +200,10 @@ def fill_model_section(tree: dict[str, Any]) -> dict[str, Any]:
 def hf_config(model: Any, vocab_size: int, dtype: str = "float32") -> dict[str, Any]:
     """A Llama config.json for the built-in transformer's `model.*` (transformers 4.x spelling,
     which 5.x reads too)."""
-    scaling = dict(model.rope_scaling) if model.rope_scaling else None
-    if scaling is not None:
-        scaling["rope_type"] = scaling.pop("type", None) or scaling.pop("rope_type")
+    scaling = None
+    if model.rope_scaling:
+        kind, params = split_rope_scaling(model.rope_scaling, "model.rope_scaling")
+        scaling = {**params, "rope_type": kind}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -9,6 +9,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from trainer.hf.config import split_rope_scaling
+
 # A hashable form of `model.rope_scaling` (the model spec lives in a static graph definition).
 RopeScaling = tuple[tuple[str, Any], ...]
 
@@ -17,10 +19,8 @@ def freeze_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
     """The config's dict as sorted items, with its type under one key (`type`)."""
     if not scaling:
         return None
-    items = dict(scaling)
-    kind = items.pop("rope_type", None) or items.pop("type", None)
-    items.pop("type", None)
-    return tuple(sorted({**items, "type": kind}.items()))
+    kind, params = split_rope_scaling(scaling, "model.rope_scaling")
+    return tuple(sorted({**params, "type": kind}.items()))
 
 
 def scale_frequencies(freqs_F: jnp.ndarray, scaling: RopeScaling | None) -> jnp.ndarray:
