@@ -17,6 +17,8 @@ from conftest import TINY, tiny_cli
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
 from trainer.errors import TrainingError
+from trainer.export import export_params
+from trainer.generate import load_generator
 from trainer.models import builder_for_vocab
 from trainer.parallel import sharding
 from trainer.program import build_program
@@ -216,6 +218,12 @@ def test_keep_every_and_export_for_plain_orbax(corpus, tmp_path):
     )
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert plain.stdout.strip().endswith("(256, 64) False")
+    unsaved = f"{workdir / 'checkpoints'} has no step 6; saved steps: [4, 8]"
+    with pytest.raises(TrainingError) as export_info:
+        export_params(workdir, tmp_path / "again", step=6)
+    with pytest.raises(TrainingError) as generate_info:
+        load_generator(str(workdir), step=6)
+    assert str(export_info.value) == str(generate_info.value) == unsaved
 
 
 def test_init_from_starts_from_another_runs_parameters(corpus, tmp_path):

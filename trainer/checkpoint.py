@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import shutil
@@ -25,7 +26,7 @@ from jax.experimental import multihost_utils
 from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
 from trainer.config import CheckpointConfig, Config, config_from_dict
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import ConfigError, TrainingError, first_line
 from trainer.loss_scale import LossScale, uses_loss_scale
 from trainer.parallel.state import TrainState
 
@@ -161,15 +162,29 @@ class Checkpointer:
         aside = f" (damaged ones moved aside: {', '.join(kept)})" if kept else ""
         raise TrainingError(f"no checkpoint in {self.directory} restores{aside}; {advice}")
 
-    def restore_chosen(
-        self, step: int | None, restore: Callable[[int], T], advice: str
-    ) -> tuple[int, T]:
-        """`(step, restore(step))` for the step asked for by number, or (None) for the newest
-        that restores, damaged ones named and skipped: what export and generate read."""
-        saved = sorted(self.manager.all_steps())
-        if step is not None and step not in saved:
-            raise TrainingError(f"{self.directory} has no step {step}; saved steps: {saved}")
-        return self.restore_newest(restore, None if step is None else [step], advice)
+    @classmethod
+    def restore_past_run(
+        cls,
+        workdir: str | Path,
+        step: int | None,
+        restore: Callable[[Checkpointer, int], T],
+        advice: str,
+    ) -> T:
+        """`restore(checkpointer, step)` of a past run's step asked for by number, or (None) of
+        its newest that restores, damaged ones named and skipped; the checkpoints are closed
+        after: what export and generate read."""
+        checkpointer, _ = cls.open_existing(workdir)
+        try:
+            saved = sorted(checkpointer.manager.all_steps())
+            if step is not None and step not in saved:
+                raise TrainingError(
+                    f"{checkpointer.directory} has no step {step}; saved steps: {saved}"
+                )
+            chosen = None if step is None else [step]
+            read = functools.partial(restore, checkpointer)
+            return checkpointer.restore_newest(read, chosen, advice)[1]
+        finally:
+            checkpointer.close()
 
     def _try_restore(self, restore: Callable[[int], T], step: int) -> tuple[T | None, str | None]:
         """The restored value, or the reason it failed: the first line of the error, agreed by
@@ -181,7 +196,7 @@ class Checkpointer:
             except (ConfigError, DataError, TrainingError, MemoryError):
                 raise  # the user's mistake (another model, process count) or the host's
             except Exception as err:
-                reason = _first_line(err)
+                reason = first_line(_innermost(err), with_type=False)
         if not _on_every_process(reason is None):
             reason = reason or "it failed to restore on another process"
         return value, reason
@@ -514,19 +529,15 @@ def _mentions(text: str, phrases: tuple[str, ...]) -> bool:
     return any(phrase in text for phrase in phrases)
 
 
-def _first_line(err: BaseException, limit: int = 240) -> str:
-    """The innermost cause as one short line: Orbax wraps TensorStore's error (`OUT_OF_RANGE:
-    Error reading ...`) in a generic one whose text runs to a hundred lines."""
+def _innermost(err: BaseException) -> BaseException:
+    """The innermost cause: Orbax wraps TensorStore's error (`OUT_OF_RANGE: Error reading ...`)
+    in a generic one whose text runs to many lines."""
     for _ in range(20):
         inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
         if inner is None:
             break
         err = inner
-    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-    if isinstance(err, json.JSONDecodeError):
-        text = f"invalid JSON: {text}"
-    line = (text.strip().splitlines() or [""])[0].strip() or type(err).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+    return err
 
 
 def _warn(line: str) -> None:

@@ -13,6 +13,7 @@ loads.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -43,15 +44,12 @@ def export_params(
     `format="hf"`, a Hugging Face Llama folder)."""
     out = Path(out).absolute()
     _check_writable(out)
-    checkpointer, _ = Checkpointer.open_existing(workdir)
-    try:
-        _, (config, params) = checkpointer.restore_chosen(
-            step,
-            lambda step: _restore_params(checkpointer, step, format),
-            advice="repair it, or export another --step",
-        )
-    finally:
-        checkpointer.close()
+    config, params = Checkpointer.restore_past_run(
+        workdir,
+        step,
+        functools.partial(_restore_params, format=format),
+        advice="repair it, or export another --step",
+    )
     if format == "hf":
         return write_hf_folder(out, params, config, model_spec(config.model.kind).hf)
     host_params = jax.tree.map(np.asarray, params)

@@ -269,18 +269,14 @@ def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) 
     """Checkpoint `step` of a run, or its newest that restores (a damaged one is named in one
     line and skipped, as export and `checkpoint.init_from` do)."""
 
-    def restore(step: int) -> tuple[Config, Generator]:
+    def restore(checkpointer: Checkpointer, step: int) -> tuple[Config, Generator]:
         config = checkpointer.run_config(step)
         read = functools.partial(checkpointer.restore_params, step)
         return config, _load_model(config, compute, devices, read)
 
-    checkpointer, _ = Checkpointer.open_existing(workdir)
-    try:
-        _, (config, generator) = checkpointer.restore_chosen(
-            step, restore, advice="repair it, or generate from another --step"
-        )
-    finally:
-        checkpointer.close()
+    config, generator = Checkpointer.restore_past_run(
+        workdir, step, restore, advice="repair it, or generate from another --step"
+    )
     tokenizer = run_tokenizer(config.data)
     return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer))
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from trainer.errors import first_line
 from trainer.parallel.sharding import BATCH_AXES
 
 _CUDNN_PACKED_PARAMS = {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type"}
@@ -260,7 +261,7 @@ def probe(kernel: str, dtype_name: str, head_dim: int, block: int) -> str | None
         try:
             mode = _numeric_probe(kernel, jnp.dtype(dtype_name), head_dim, block)
         except Exception as err:  # a private API may fail in any way: never fail the run
-            mode, problem = None, f"failed its self-test ({type(err).__name__}: {_first_line(err)})"
+            mode, problem = None, f"failed its self-test ({first_line(err)})"
         else:
             problem = None if mode else "gave wrong numbers in its self-test against XLA"
         if mode == "repeat_kv":
@@ -292,7 +293,7 @@ def _api_problem(kernel: str) -> str | None:
             where = f"{module.__name__}.mha"
         missing = needed - set(inspect.signature(function).parameters)
     except (ImportError, AttributeError, TypeError, ValueError) as err:
-        return f"{type(err).__name__}: {_first_line(err)}"
+        return first_line(err)
     return f"{where} has no {', '.join(sorted(missing))}" if missing else None
 
 
@@ -343,10 +344,6 @@ def _outputs_and_grads(attention, q, k, v, cotangent) -> list[jax.Array]:
 
     grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return [x.astype(jnp.float32) for x in (out, *grads)]
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def _say(line: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from trainer.errors import first_line
 from trainer.models.attention import parse_capability
 from trainer.models.kernels import planned_device
 from trainer.plan.cost import Rates
@@ -169,7 +170,7 @@ def gpu_devices(gpu: Gpu, count: int) -> list[Any]:
             "jax's CUDA plugin is not installed (pip install -e '.[gpu-plan]'; no GPU needed)"
         ) from None
     except Exception as err:  # the plugin rejects the description: say so, never crash
-        raise GpuPlanError(f"the CUDA plugin cannot describe it ({_first_line(err)})") from None
+        raise GpuPlanError(f"the CUDA plugin cannot describe it ({first_line(err)})") from None
     return list(topology.devices)
 
 
@@ -245,7 +246,7 @@ def compile_for_gpu(
         )
         stats = executable.get_compiled_memory_stats()
     except Exception as err:  # private API or the GPU compiler failing: one line, never a crash
-        problem = f"XLA could not compile the step for it ({_first_line(err)})"
+        problem = f"XLA could not compile the step for it ({first_line(err)})"
         raise GpuPlanError(problem) from None
     return GpuCompiled(
         device_total=stats.argument_size_in_bytes
@@ -265,8 +266,3 @@ def cost_analysis_flops(executable: Any) -> float | None:
         return None
     cost = cost[0] if isinstance(cost, list) else cost
     return float((cost or {}).get("flops", 0.0))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
