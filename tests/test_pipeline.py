@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY
-from test_multihost import free_port
+from test_multihost import reserved_port
 from test_step import SMALL, VOCAB, random_batches
 
 from trainer.checkpoint import Checkpointer, param_shapes
@@ -184,17 +184,17 @@ print([sorted({d.process_index for d in mesh.devices[s].flat}) for s in range(2)
 def test_stages_are_laid_over_hosts_first(repo_root):
     """`stage` is the mesh's outermost axis: with two hosts, each stage is one host's devices,
     so only activations cross the slow link between them, never weights."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", STAGE_OF_PROCESS, str(port), str(i)],
-            cwd=repo_root,
-            env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]
+    with reserved_port() as port:  # held until process 0's coordinator listens there
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", STAGE_OF_PROCESS, str(port), str(i)],
+                cwd=repo_root,
+                env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        outputs = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in procs]
     assert outputs == ["[[0], [1]]", "[[0], [1]]"]

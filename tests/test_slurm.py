@@ -32,6 +32,7 @@ from test_multihost import (
     free_port,
     losses_of,
     metrics_of,
+    reserved_port,
     run_args,
     single_process_baseline,
 )
@@ -210,22 +211,23 @@ def test_sbatch_two_tasks_match_one_process_and_requeue_themselves_before_the_ti
     ends on the straight run's losses."""
     baseline = single_process_baseline(tmp_path_factory, repo_root, corpus)
     workdir = tmp_path / "slurm-run"
-    env = cpu_env(
-        **compile_cache(tmp_path_factory),
-        SLURM_CONF=slurm["env"]["SLURM_CONF"],
-        CONFIG="configs/tiny.yaml",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",  # 2 tasks x 4 devices
-        JAX_COORDINATOR_PORT=str(free_port()),  # not the job-id port another cluster may use
-    )
-    job_id = submit(env, repo_root, slurm["folder"] / "job-%j.out", *run_args(corpus, workdir))
-    log = slurm["folder"] / f"job-{job_id}.out"
-    # Process 0's start-up line comes after every process joined the runtime (whose preemption
-    # service takes SIGTERM from there on) and before the first step compiles (seconds here).
-    # Later steps take ~0.1 s: a warning then would come after the last one.
-    wait_for_line(env, job_id, log, "\ntiny: model", timeout=300)
-    warning = ["scancel", "--signal=USR1", "--batch", job_id]  # what --signal=B:USR1@N sends
-    subprocess.run(warning, env=env, check=True, capture_output=True, timeout=30)
-    job = wait_for_job(env, job_id, log, timeout=400)
+    with reserved_port() as port:  # held until process 0's coordinator listens there
+        env = cpu_env(
+            **compile_cache(tmp_path_factory),
+            SLURM_CONF=slurm["env"]["SLURM_CONF"],
+            CONFIG="configs/tiny.yaml",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",  # 2 tasks x 4 devices
+            JAX_COORDINATOR_PORT=str(port),  # not the job-id port another cluster may use
+        )
+        job_id = submit(env, repo_root, slurm["folder"] / "job-%j.out", *run_args(corpus, workdir))
+        log = slurm["folder"] / f"job-{job_id}.out"
+        # Process 0's start-up line comes after every process joined the runtime (whose preemption
+        # service takes SIGTERM from there on) and before the first step compiles (seconds here).
+        # Later steps take ~0.1 s: a warning then would come after the last one.
+        wait_for_line(env, job_id, log, "\ntiny: model", timeout=300)
+        warning = ["scancel", "--signal=USR1", "--batch", job_id]  # what --signal=B:USR1@N sends
+        subprocess.run(warning, env=env, check=True, capture_output=True, timeout=30)
+        job = wait_for_job(env, job_id, log, timeout=400)
 
     job_log = log.read_text()
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), (
@@ -331,11 +333,12 @@ echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >
 exec sleep 120
 """
 
-# ... or joining JAX's runtime: the trainer's own start-up line (the file `line` beside it), exit 0
+# ... or joining JAX's runtime: the trainer's own start-up line (the file `line` beside it), exit
+# 0. Its handler is set before it says it is starting, when the test's warning may come.
 ANSWERING_STAND_IN = """#!/bin/sh
+trap 'kill $! 2>/dev/null; cat "$(dirname "$0")/line" >&2; exit 0' TERM
 echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >&2
 sleep 120 &
-trap 'kill $!; cat "$(dirname "$0")/line" >&2; exit 0' TERM
 wait
 """
 
