@@ -127,7 +127,7 @@ class DeviceFeed:
     would add a hand-over and overlap nothing. `feeders`: `row_feeders(sharding)`'s count, which
     the run computes once.
 
-    Kept over Grain's `device_put` (two threads, `queue.Queue`, `jax.device_put`): slower in
+    Kept over Grain's `device_put` (two threads and `jax.device_put`): slower in
     BENCHMARKS.md "Input pipeline alone" (1) and "The loop's own cost"; and no `ready()`."""
 
     def __init__(
@@ -140,7 +140,9 @@ class DeviceFeed:
         self._iterator = host_iterator
         self._sharding = sharding
         self._feeders = row_feeders(sharding)[1] if feeders is None else feeders
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        # not a SimpleQueue: its get(timeout) in CPython 3.11 and 3.12 waits forever when a signal
+        # handled during the wait outlasts the timeout (a SIGTERM at a blocked source hung runs)
+        self._ready: queue.Queue = queue.Queue()
         self._free_slots = threading.Semaphore(max(1, prefetch))
         self._stop = threading.Event()
         self.last_wait_s = 0.0

@@ -1,6 +1,8 @@
 """The data path: prepare -> ArrayRecord -> Grain chain -> packed batches -> device feed."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -211,6 +213,44 @@ def test_device_feed_reraises_transfer_errors_in_order():
         for _ in range(2):
             with pytest.raises(ValueError):
                 next(feed)
+
+
+SIGNAL_DURING_A_WAIT = """
+import signal, threading, time
+from input_pipeline.device import DeviceFeed
+from trainer.config import MeshConfig
+from trainer.parallel import sharding
+
+def never():  # a source whose next batch never comes (a dead mount)
+    threading.Event().wait()
+    yield
+
+seen = []
+signal.signal(signal.SIGTERM, lambda *_: (seen.append(1), time.sleep(0.3)))  # outlasts a poll
+feed = DeviceFeed(never(), sharding.batch_sharding(sharding.make_mesh(MeshConfig(data=-1))))
+main = threading.main_thread().ident
+threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGTERM)).start()
+assert feed.next_unless(lambda: bool(seen)) is None
+print("the wait ended")
+"""
+
+
+def test_a_signal_handled_during_a_wait_for_a_batch_ends_the_wait(repo_root):
+    """A SIGTERM whose handling outlasts the feed's 0.1 s poll, while the source never delivers:
+    the feed's queue was a `queue.SimpleQueue`, whose `get(timeout)` in CPython 3.11 and 3.12
+    then waits forever (a negative time left means no timeout), so a stopped run hung in its
+    wait for data, about 2% of runs under load. In a child: the old wait never ends."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SIGNAL_DURING_A_WAIT],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the wait for a batch never ended after the signal was handled")
+    assert done.returncode == 0 and "the wait ended" in done.stdout, done.stderr[-2000:]
 
 
 def test_bad_dataset_paths_name_the_fix(tmp_path):
