@@ -733,11 +733,13 @@ AGREE_ON_CONFIG = """
 import os
 import sys
 from trainer.errors import ConfigError, TrainingError
-from trainer.parallel.distributed import check_same_config, check_shared_workdir, maybe_initialize
+from trainer.parallel.distributed import (
+    check_same_config, check_shared_workdir, cluster_from_env, initialize
+)
 
 folder, said = sys.argv[1:]
 said = open(said, "w", buffering=1)  # stdout also carries Gloo's lines, written in pieces
-maybe_initialize()
+initialize(cluster_from_env())
 me = os.environ["JAX_PROCESS_ID"]
 check_same_config({"run": {"workdir": "/w", "steps": 3}, "optim": {"lr": 0.1}})
 print("same configs agree", file=said)

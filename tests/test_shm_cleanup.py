@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import TINY, compile_cache
 from jax.sharding import NamedSharding, PartitionSpec
-from test_multihost import cpu_env, end_launcher, run_args
+from test_multihost import cpu_env, end_launcher, reserved_port, run_args
 
 pytestmark = [
     pytest.mark.slow,
@@ -210,18 +210,18 @@ def test_a_two_process_run_leaves_no_worker_segment_or_warning(
     cmd = [str(repo_root / "launch/local.sh"), "2", "--config", "configs/tiny.yaml"]
     cmd += run_args(corpus, workdir, "data.workers=2")
     seen: set[str] = set()
-    with log_path.open("w") as log:
-        env = cpu_env(**compile_cache(tmp_path_factory))
+    with reserved_port() as port, log_path.open("w") as log:
+        env = cpu_env(**compile_cache(tmp_path_factory), JAX_COORDINATOR_PORT=str(port))
         launcher = subprocess.Popen(
             cmd, cwd=repo_root, env=env, stdout=log, stderr=log, start_new_session=True
         )
-    try:
-        deadline = time.time() + 5 * WAIT_S
-        while launcher.poll() is None and time.time() < deadline:
-            seen |= segments_of(group_members(launcher.pid))
-            time.sleep(0.1)
-    finally:
-        end_launcher(launcher, log_path)
+        try:
+            deadline = time.time() + 5 * WAIT_S
+            while launcher.poll() is None and time.time() < deadline:
+                seen |= segments_of(group_members(launcher.pid))
+                time.sleep(0.1)
+        finally:
+            end_launcher(launcher, log_path)
     left = wait_for_group_to_end(launcher.pid)
     said = log_path.read_text()
     assert launcher.returncode == 0, said[-3000:]

@@ -260,13 +260,6 @@ def _on_a_thread(join: Callable[[], None]) -> None:
         raise failure[0]
 
 
-def maybe_initialize(environ: Mapping[str, str] = os.environ) -> None:
-    """Join the distributed runtime if the environment describes several processes."""
-    spec = cluster_from_env(environ)
-    if spec is not None:
-        initialize(spec)
-
-
 def _settings(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """`section.key` and value for every leaf of a nested config dict, in sorted order."""
     for name in sorted(tree):
