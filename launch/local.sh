@@ -12,7 +12,8 @@
 # The launcher waits for all of them. When one exits non-zero it stops the others (SIGTERM, then
 # SIGKILL after LOCAL_KILL_GRACE_S) and exits with that status; re-running the same command
 # resumes from the latest checkpoint. SIGTERM to the launcher goes to every process, and Ctrl-C
-# reaches them from the terminal: they agree on a step, save, and stop.
+# reaches them from the terminal: they agree on a step, save, and stop (before their first step,
+# each ends with one line, exit 130).
 #
 # Knobs (environment):
 #   PYTHON               interpreter (default: python)
@@ -93,12 +94,16 @@ pids=()
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
 trap ':' INT # Ctrl-C reaches every process from the terminal; the launcher waits for them
 for ((i = 0; i < num_processes; i++)); do
-  if [[ $device == gpu ]]; then
-    visible=$(seq -s, $((i * per_process)) $(((i + 1) * per_process - 1)))
-    CUDA_VISIBLE_DEVICES=$visible JAX_PROCESS_ID=$i "$python" -m trainer.main "$@" &
-  else
-    JAX_PROCESS_ID=$i "$python" -m trainer.main "$@" &
-  fi
+  (
+    # A script's background job starts with SIGINT ignored, and Python keeps that: a Ctrl-C
+    # before the training loop (which handles SIGINT itself) was lost on the processes.
+    trap - INT
+    if [[ $device == gpu ]]; then
+      CUDA_VISIBLE_DEVICES=$(seq -s, $((i * per_process)) $(((i + 1) * per_process - 1)))
+      export CUDA_VISIBLE_DEVICES
+    fi
+    JAX_PROCESS_ID=$i exec "$python" -m trainer.main "$@"
+  ) &
   pids+=($!)
 done
 echo "local.sh: $num_processes processes (${pids[*]}) on $device, $per_process device(s) each," \

@@ -36,6 +36,7 @@ from trainer.parallel.distributed import (
     check_same_config,
     check_shared_workdir,
     cluster_from_env,
+    not_joined,
 )
 from trainer.preemption import StopRequest
 from trainer.train import run
@@ -534,6 +535,31 @@ def test_local_launcher_sets_the_runtime_variables_and_stops_all_when_one_fails(
     assert seen[0]["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4"]
 
 
+def test_local_launcher_lets_ctrl_c_reach_its_processes(tmp_path, repo_root):
+    """Each process starts with SIGINT's default action, as the launcher has it from a terminal:
+    bash starts a script's background jobs with SIGINT ignored, and Python keeps that, so a
+    Ctrl-C before the training loop (which handles SIGINT itself) was lost on them."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = -c ] && exec {sys.executable} "$@"\n'  # the launcher's free-port probe
+        f"exec {sys.executable} -c 'import signal; print(signal.getsignal(signal.SIGINT))' "
+        f"> {tmp_path}/sigint.$JAX_PROCESS_ID\n"
+    )
+    fake.chmod(0o755)
+    env = cpu_env(PYTHON=str(fake), LOCAL_DEVICE="cpu")
+    done = subprocess.run(
+        with_default_sigint([str(repo_root / "launch/local.sh"), "2"]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    said = [(tmp_path / f"sigint.{i}").read_text().strip() for i in range(2)]
+    assert said == ["<built-in function default_int_handler>"] * 2
+
+
 @pytest.mark.parametrize(
     ("count", "knobs", "message"),
     [
@@ -649,6 +675,16 @@ def test_bad_cluster_variables_are_one_line(environ, message):
         cluster_from_env(environ)
 
 
+def test_a_slurm_task_still_waiting_at_the_init_timeout_is_told_to_check_the_others():
+    """The line a task of an `srun` step ends with when its peers have not all joined (JAX would
+    abort it 5 s later); the explicit cluster's lines are checked with real processes below."""
+    assert not_joined(ClusterSpec("slurm", init_timeout_s=60)) == (
+        "could not join the slurm-detected cluster: not every task of the srun step joined "
+        "within JAX_INIT_TIMEOUT_S=60 s (JAX does not say which); check that every task "
+        "started, or raise JAX_INIT_TIMEOUT_S"
+    )
+
+
 def tiny_cli(repo_root: Path, workdir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`python -m trainer.main` on the tiny config as one process of a cluster `env` describes."""
     return subprocess.run(
@@ -684,6 +720,110 @@ def test_unreachable_coordinator_fails_within_the_init_timeout(tmp_path, repo_ro
         "(JAX_INIT_TIMEOUT_S); start process 0 (JAX_PROCESS_ID=0) on that host, or fix "
         "JAX_COORDINATOR_ADDRESS"
     ]
+
+
+def cluster_cli(repo_root: Path, workdir: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`tiny_cli` started, not waited for; its stderr is a pipe."""
+    cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+    cmd += [f"run.workdir={workdir}"]
+    return subprocess.Popen(
+        cmd, cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def with_default_sigint(cmd: list[str]) -> list[str]:
+    """`cmd` with SIGINT's default action, as a terminal's foreground job has it: a shell without
+    job control starts a background job (maybe this test run) with SIGINT ignored, which every
+    process it starts inherits, and then Python raises no KeyboardInterrupt."""
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    return [sys.executable, "-c", reset + "os.execv(sys.argv[1], sys.argv[1:])", *cmd]
+
+
+@pytest.mark.slow
+def test_a_process_whose_peer_never_joins_says_so_in_one_line(
+    tmp_path, repo_root, coordinator_port
+):
+    """Process 0 of 2 started alone (or its peer stopped during its start-up) ends with one line
+    at JAX_INIT_TIMEOUT_S. JAX aborted it 5 s later (SIGABRT) with a C++ stack trace blaming
+    "another task"."""
+    port = coordinator_port
+    env = cpu_env(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID="0",
+        JAX_INIT_TIMEOUT_S="5",
+    )
+    done = tiny_cli(repo_root, tmp_path, env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[1:] == [
+        f"error: could not join the cluster at 127.0.0.1:{port} as process 0 of 2: process 1 "
+        "did not join within JAX_INIT_TIMEOUT_S=5 s; start process 1 (JAX_PROCESS_ID=1) with "
+        "the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, or raise JAX_INIT_TIMEOUT_S"
+    ], done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_processes_waiting_for_one_that_never_comes_each_say_so(
+    tmp_path, repo_root, coordinator_port
+):
+    """Processes 0 and 1 of 3, process 2 never started: each ends with one line at its own
+    JAX_INIT_TIMEOUT_S, whichever ends first (a peer's connect outlives a process 0 that ended:
+    it retries until its own time is up)."""
+    port = coordinator_port
+    env = cpu_env(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES="3",
+        JAX_INIT_TIMEOUT_S="10",
+    )
+    procs = [
+        cluster_cli(repo_root, tmp_path / str(index), {**env, "JAX_PROCESS_ID": str(index)})
+        for index in range(2)
+    ]
+    try:
+        said = [proc.communicate(timeout=120)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for index, (proc, stderr) in enumerate(zip(procs, said, strict=True)):
+        assert proc.returncode == 2, stderr[-3000:]
+        assert stderr.splitlines()[1:] == [
+            f"error: could not join the cluster at 127.0.0.1:{port} as process {index} of 3: "
+            "not every process joined within JAX_INIT_TIMEOUT_S=10 s (JAX does not say which); "
+            "start every process (JAX_PROCESS_ID 0..2) with the same JAX_COORDINATOR_ADDRESS and "
+            "JAX_NUM_PROCESSES, or raise JAX_INIT_TIMEOUT_S"
+        ], stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_for_the_other_processes_is_one_line(
+    tmp_path, repo_root, coordinator_port
+):
+    """Ctrl-C on process 0 while its connect waits for process 1 ends it with one line. It
+    said it was interrupted, then JAX's exit-time shutdown of its coordination service waited
+    5 s for that connect to give up and logged the failed registration."""
+    port = coordinator_port
+    env = cpu_env(
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID="0",
+        JAX_INIT_TIMEOUT_S="300",
+    )
+    cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+    cmd += [f"run.workdir={tmp_path}"]
+    proc = subprocess.Popen(
+        with_default_sigint(cmd), cwd=repo_root, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: accepts(port), [proc], [], 120)  # its coordinator is up: it connects
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.splitlines()[1:] == [
+        f"interrupted without saving while joining the cluster at 127.0.0.1:{port} as process 0 "
+        "of 2; re-run the same command to start (or resume from the latest checkpoint)"
+    ], stderr[-3000:]
 
 
 def test_a_coordinator_port_in_use_is_one_line(tmp_path, repo_root):

@@ -7,15 +7,17 @@ Must run before any JAX backend call. Where the cluster comes from, first match 
 3. `JAX_DISTRIBUTED_AUTO=1`: JAX's own detection (Cloud TPU pod metadata, Open MPI, Kubernetes
    with the `kubernetes` package).
 
-Mistakes get one line and exit 2 before JAX sees them: process 0's port already taken (JAX
-segfaults), and a peer whose process 0 does not answer within `JAX_INIT_TIMEOUT_S` (JAX aborts
-with a stack trace blaming "another task"). `check_same_config` and `check_shared_workdir`, for
-the CLI to call once joined, catch processes given different configs or a host-local
-`run.workdir` (either hangs the first checkpoint save, or trains silently different replicas).
+Mistakes get one line and exit 2 where JAX would crash: process 0's port already taken (JAX
+segfaults), a peer whose process 0 does not answer within `JAX_INIT_TIMEOUT_S`, and a process
+still waiting for others at that time (JAX aborts, 5 s later, with a stack trace blaming "another
+task"); Ctrl-C while they are awaited is one line too (exit 130). `check_same_config` and
+`check_shared_workdir`, for the CLI to call once joined, catch processes given different configs
+or a host-local `run.workdir` (either hangs the first checkpoint save, or trains silently
+different replicas).
 
-A dead peer never hangs the job, by the runtime's own machinery: the coordination service
-aborts a process (non-zero exit) that cannot register within `JAX_INIT_TIMEOUT_S` (300) seconds,
-and every process once a peer has missed heartbeats for `JAX_HEARTBEAT_TIMEOUT_S` (20) seconds
+A dead peer never hangs the job: a process whose peers have not all joined within
+`JAX_INIT_TIMEOUT_S` (300) seconds ends (exit 2), and the runtime's own machinery aborts every
+process once a peer has missed heartbeats for `JAX_HEARTBEAT_TIMEOUT_S` (20) seconds
 (JAX's default, 100, is too slow for a scheduler to notice). A collective with a dead peer fails
 at once (Gloo: connection reset), and a dead coordinator is noticed at once. So the scheduler
 sees the failure and restarts the job, which resumes from the latest checkpoint.
@@ -25,6 +27,7 @@ watchdog (`trainer/observe/watchdog.py`, `run.step_timeout_s`) ends every proces
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import math
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from trainer.errors import ConfigError, TrainingError
 
@@ -47,6 +50,10 @@ INIT_TIMEOUT_S = 300
 HEARTBEAT_TIMEOUT_S = 20
 # A process that finished waits this long at exit for the others to finish too.
 SHUTDOWN_TIMEOUT_S = 300
+# How a process ends that gave up joining the others: as trainer.main ends a one-line user error,
+# and a Ctrl-C before anything was saved.
+NOT_JOINED_EXIT = 2
+INTERRUPTED_EXIT = 130
 # What JAX's Slurm detection reads in each task of an `srun` step.
 SLURM_VARS = (
     "SLURM_JOB_ID",
@@ -193,10 +200,11 @@ def wait_for_coordinator(spec: ClusterSpec) -> int:
 
 
 def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> None:
-    """`jax.distributed.initialize` with our timeouts, after a line saying what it tries (the
-    runtime aborts the process when that fails: see the module docstring). `joined` is called
-    the moment it returns, on the thread that joined: JAX's preemption service holds SIGTERM
-    from then on."""
+    """`jax.distributed.initialize` with our timeouts, after a line saying what it tries. Where
+    this process knows its peers, not all of them joining within the init timeout ends it with
+    one line (exit 2), and so does Ctrl-C while it waits for them (exit 130): see `_on_a_thread`.
+    `joined` is called the moment it returns, on the thread that joined: JAX's preemption service
+    holds SIGTERM from then on."""
     import jax  # after the environment is read: importing jax starts no backend
 
     check_coordinator_port(spec)
@@ -207,6 +215,7 @@ def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> N
         file=sys.stderr,
         flush=True,
     )
+    deadline = time.monotonic() + spec.init_timeout_s
     init_timeout_s = wait_for_coordinator(spec)
 
     def join() -> None:
@@ -221,8 +230,17 @@ def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> N
         if joined is not None:
             joined()
 
+    # JAX's own detection (a Cloud TPU pod, Kubernetes) may spend part of the init timeout
+    # before its connect starts: there JAX's abort is left to end a join that never completes.
+    knows_its_peers = spec.source in ("explicit", "slurm")
     try:
-        _on_a_thread(join)
+        finished = _on_a_thread(join, deadline if knows_its_peers else None)
+    except _InterruptedJoiningError:
+        _end_unjoined(
+            f"interrupted without saving while joining {describe(spec)}; re-run the same "
+            "command to start (or resume from the latest checkpoint)",
+            INTERRUPTED_EXIT,
+        )
     except (RuntimeError, ValueError) as err:  # e.g. a detected cluster missing a value
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         missing = [v for v in SLURM_VARS if v not in os.environ] if spec.source == "slurm" else []
@@ -236,28 +254,82 @@ def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> N
             f"could not join {describe(spec)}: {first_line}; check the launcher's JAX_* or "
             "scheduler variables and that process 0's address and port are reachable"
         ) from None
+    if not finished:
+        _end_unjoined(f"error: {not_joined(spec)}", NOT_JOINED_EXIT)
 
 
-def _on_a_thread(join: Callable[[], None]) -> None:
-    """Run `join` on a helper thread while the main thread waits for it. JAX's connect waits in
-    C++ until every process has come, and Python runs signal handlers only once the main thread
-    is back in Python: a SIGTERM during that wait (a Slurm time-limit warning while a peer still
-    starts) went unheard until every peer had come, or JAX's init timeout aborted the process.
-    The waits are short so that a signal delivered to another thread is handled too."""
+def not_joined(spec: ClusterSpec) -> str:
+    """Why this process still waits for the others at the init timeout, and the fix. JAX's
+    coordination service keeps who has come to itself until all have."""
+    unnamed = " (JAX does not say which)"
+    if spec.source == "slurm":
+        missing, fix = "not every task of the srun step joined", "check that every task started"
+    elif spec.num_processes == 2 and spec.process_id == 0:
+        missing, unnamed, fix = "process 1 did not join", "", "start process 1 (JAX_PROCESS_ID=1)"
+    else:
+        missing = "not every process joined"
+        fix = f"start every process (JAX_PROCESS_ID 0..{(spec.num_processes or 0) - 1})"
+    if spec.source == "explicit":
+        fix += " with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES"
+    return (
+        f"could not join {describe(spec)}: {missing} within JAX_INIT_TIMEOUT_S="
+        f"{spec.init_timeout_s} s{unnamed}; {fix}, or raise JAX_INIT_TIMEOUT_S"
+    )
+
+
+class _InterruptedJoiningError(Exception):
+    """Ctrl-C came while JAX's connect still waited for the other processes."""
+
+
+def _on_a_thread(join: Callable[[], None], deadline: float | None) -> bool:
+    """Run `join` on a helper thread while the main thread waits for it, until `deadline` (a
+    `time.monotonic()`; None: as long as it runs), and say whether it returned by then.
+
+    JAX's connect waits in C++ until every process has come, and Python runs signal handlers
+    only once the main thread is back in Python: a SIGTERM during that wait (a Slurm time-limit
+    warning while a peer still starts) went unheard until every peer had come, or JAX's init
+    timeout aborted the process. The waits are short so that a signal delivered to another
+    thread is handled too. That abort (a C++ stack trace blaming "another task") comes 5 s after
+    the init timeout JAX was given, counted from a moment after `deadline` was set: so the main
+    thread, past `deadline` with `join` still running, has those 5 s to say so first."""
     failure: list[BaseException] = []
+    returned = threading.Event()  # not Thread.is_alive: a Ctrl-C in Thread.join marks it ended
 
     def run() -> None:
         try:
             join()
         except BaseException as err:  # raised again on the main thread
             failure.append(err)
+        finally:
+            returned.set()
 
-    joining = threading.Thread(target=run, name="joining JAX's runtime", daemon=True)
-    joining.start()
-    while joining.is_alive():
-        joining.join(timeout=0.5)
+    try:
+        threading.Thread(target=run, name="joining JAX's runtime", daemon=True).start()
+        while not returned.is_set() and (left := _time_left(deadline)) > 0:
+            returned.wait(timeout=min(0.5, left))
+    except KeyboardInterrupt:
+        if not returned.is_set():
+            raise _InterruptedJoiningError from None
+        raise
     if failure:
         raise failure[0]
+    return returned.is_set()
+
+
+def _time_left(deadline: float | None) -> float:
+    return math.inf if deadline is None else deadline - time.monotonic()
+
+
+def _end_unjoined(line: str, status: int) -> NoReturn:
+    """Write `line` and end the process now. Python's exit-time cleanup would shut down JAX's
+    half-made runtime: its coordination service waits for the connect still in progress, then
+    logs the failed registration, and that connect aborts the process if its time runs out."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream already closed
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"{line}\n".encode())  # stderr's descriptor
+    os._exit(status)
 
 
 def _settings(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
