@@ -50,7 +50,7 @@ from trainer.data import dataset_sources
 from trainer.loop import Loop
 from trainer.models import builder_for_vocab
 from trainer.observe.goodput import Goodput
-from trainer.observe.metrics import MetricsWriter
+from trainer.observe.metrics import MetricsWriter, read_metrics
 from trainer.parallel import sharding
 from trainer.program import TrainProgram, build_program, jit_train_step
 
@@ -353,7 +353,7 @@ def real_loop_step_s(name: str, steps: int, extra: list[str]) -> float:
     with tempfile.TemporaryDirectory() as workdir:
         config = real_config(name, workdir, steps, extra)
         run(config)
-        rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").open()]
+        rows = read_metrics(Path(workdir) / "metrics.jsonl").rows
     skip = 2 * config.log.every
     times = [r["step_time_s"] for r in rows if "loss" in r and skip < r["step"] < steps]
     return statistics.median(times)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from trainer import run
 from trainer.config import Config, load_config
 from trainer.data import dataset_sources, load_dataset
 from trainer.models import build_model
+from trainer.observe.metrics import read_metrics
 from trainer.parallel import sharding
 from trainer.program import build_program
 
@@ -102,7 +102,7 @@ def trainer_step_seconds(config_path: str, steps: int) -> tuple[float, float, Co
             ],
         )
         run(config)
-        rows = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").open()]
+        rows = read_metrics(Path(workdir) / "metrics.jsonl").rows
     times = [r["step_time_s"] for r in rows if "loss" in r and r["step"] > 10]
     waits = [r["data_wait_frac"] for r in rows if "loss" in r and r["step"] > 10]
     return statistics.median(times), max(waits), config

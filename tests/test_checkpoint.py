@@ -20,13 +20,14 @@ from trainer.errors import TrainingError
 from trainer.export import export_params
 from trainer.generate import load_generator
 from trainer.models import builder_for_vocab
+from trainer.observe.metrics import read_metrics
 from trainer.parallel import sharding
 from trainer.program import build_program
 from trainer.train import run
 
 
 def rows_of(workdir: Path) -> list[dict]:
-    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(workdir / "metrics.jsonl").rows
 
 
 def losses_of(workdir: Path) -> dict[int, float]:

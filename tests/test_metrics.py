@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trainer import report
-from trainer.observe.metrics import MetricsWriter
+from trainer.observe.metrics import MetricsWriter, last_logged, read_metrics
 
 
 def test_resume_drops_lines_past_the_checkpoint_and_half_lines(tmp_path):
@@ -23,17 +23,73 @@ def test_resume_drops_lines_past_the_checkpoint_and_half_lines(tmp_path):
     assert any((tmp_path / "tb").iterdir())
 
 
-def test_resume_drops_garbage_lines_and_keeps_the_rows(tmp_path):
+def row_bytes(step: int) -> bytes:
+    """A whole metrics line, as the writer writes it."""
+    return (json.dumps({"step": step, "loss": 1.0 / step}) + "\n").encode()
+
+
+def test_resume_drops_garbage_lines_keeps_the_rows_and_says_so(tmp_path):
     # What a crash or a bad disk can leave mid-file: bytes that are not UTF-8, a run of NULs,
-    # JSON that is no row. Before, the first crashed the resume with a UnicodeDecodeError.
+    # JSON that is no row. Before, the first crashed the resume with a UnicodeDecodeError; then
+    # they were dropped without a word.
     path = tmp_path / "metrics.jsonl"
-    row = lambda s: (json.dumps({"step": s, "loss": 1.0 / s}) + "\n").encode()  # noqa: E731
+    row = row_bytes
     path.write_bytes(row(1) + b"\xff\xfe{\x00\n" + row(2) + b"\x00" * 64 + b"\n[2]\n" + row(3))
-    writer = MetricsWriter(tmp_path, total_steps=10, start_step=3, tensorboard=False)
+    console = io.StringIO()
+    writer = MetricsWriter(
+        tmp_path, total_steps=10, start_step=3, tensorboard=False, stream=console
+    )
     writer.write(4, {"loss": 0.25})
     writer.close()
     got = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert console.getvalue().splitlines()[0] == (
+        f"warning: {path}: lines 2, 4, 5 are not metrics rows (a JSON object with an integer "
+        "step); dropped from the resumed log"
+    )
+
+
+def test_resume_past_a_row_whose_step_is_not_a_number(tmp_path):
+    """Before: a TypeError traceback (`"a" <= 2`) at start-up, and the run never resumed."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(row_bytes(1) + b'{"step": "a", "loss": 1.0}\n' + row_bytes(2))
+    console = io.StringIO()
+    writer = MetricsWriter(
+        tmp_path, total_steps=10, start_step=2, tensorboard=False, stream=console
+    )
+    writer.write(3, {"loss": 0.5})
+    writer.close()
+    assert [r["step"] for r in read_metrics(path).rows] == [1, 2, 3]
+    assert console.getvalue().startswith(f"warning: {path}: line 2 is not a metrics row (")
+
+
+def test_resume_keeps_a_whole_last_row_that_only_lacks_its_newline(tmp_path):
+    """The row of the checkpointed step, cut off before its newline, is whole: before, the
+    resume dropped it, and the steps after it never log it again."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(row_bytes(1) + row_bytes(2).rstrip(b"\n"))
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=2, tensorboard=False)
+    writer.write(3, {"loss": 0.5})
+    writer.close()
+    assert [r["step"] for r in read_metrics(path).rows] == [1, 2, 3]
+    assert path.read_bytes() == row_bytes(1) + row_bytes(2) + b'{"step": 3, "loss": 0.5}\n'
+
+
+def test_the_reader_leaves_out_a_cut_off_last_line_and_numbers_the_damage(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    damage = b"".join(b"oops\n" + row_bytes(s) for s in range(1, 8))  # lines 1, 3, ..., 13
+    path.write_bytes(damage + b"\n" + row_bytes(8) + b'{"step": 9, "lo')  # a blank line, a cut
+    log = read_metrics(path)
+    assert [r["step"] for r in log.rows] == list(range(1, 9))
+    assert [line.number for line in log.lines] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert log.damaged == [1, 3, 5, 7, 9, 11, 13]
+    assert log.damage() == (
+        f"{path}: lines 1, 3, 5, 7, 9 and 2 more are not metrics rows (a JSON object with an "
+        "integer step)"
+    )
+    path.write_bytes(row_bytes(1) + b'{"step": 2, "lo')  # what a kill mid-write leaves
+    assert read_metrics(path).damage() is None
+    assert last_logged(tmp_path, "loss") == 1.0
 
 
 def test_a_metrics_file_that_cannot_be_written_is_one_line(tmp_path):
@@ -97,6 +153,28 @@ def test_report_labels_runs_by_run_name_else_folder(tmp_path):
     _logged_run(tmp_path / "c", None)  # no config.yaml
     runs = report.load_runs([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
     assert [r.label for r in runs] == ["lr-sweep-1", "b", "c"]
+
+
+def test_report_names_damaged_lines_in_one_warning_and_plots_the_rest(tmp_path, capsys):
+    """Before: lines in the middle that are no row were skipped without a word."""
+    workdir = tmp_path / "run"
+    _logged_run(workdir, None)
+    with (workdir / "metrics.jsonl").open("ab") as log:
+        log.write(b"\x00\x00\x00\n" + row_bytes(2) + b'{"step": 3, "lo')
+    assert report.main([str(workdir)]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        f"warning: {workdir / 'metrics.jsonl'}: line 2 is not a metrics row (a JSON object "
+        "with an integer step); skipped\n"
+    )
+
+
+def test_report_on_a_file_of_one_damaged_line_says_it_holds_no_metrics(tmp_path, capsys):
+    """Before: the one line, ended by its newline, was taken for a run's half-written last
+    line, and the report said to wait for the first log step."""
+    (tmp_path / "metrics.jsonl").write_bytes(b"\x00" * 32 + b"\n")
+    assert report.main([str(tmp_path)]) == 2
+    assert "holds no metrics line" in capsys.readouterr().err
 
 
 def test_report_tells_apart_runs_of_the_same_name_by_path(tmp_path):

@@ -19,6 +19,7 @@ from input_pipeline.prepare import prepare_dataset
 from trainer.config import load_config
 from trainer.data import dataset_sources
 from trainer.errors import ConfigError
+from trainer.observe.metrics import read_metrics
 from trainer.train import run
 
 
@@ -74,7 +75,7 @@ def test_memory_cache_gives_the_batches_of_the_disk(corpus, tmp_path, monkeypatc
 
 
 def rows_of(workdir):
-    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(workdir / "metrics.jsonl").rows
 
 
 def losses_of(workdir):

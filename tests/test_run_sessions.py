@@ -18,11 +18,12 @@ import pytest
 from conftest import TINY
 
 from trainer.config import load_config
+from trainer.observe.metrics import read_metrics
 from trainer.train import run
 
 
 def rows_of(workdir: Path) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(workdir / "metrics.jsonl").rows
 
 
 def saved_steps(workdir: Path) -> list[int]:

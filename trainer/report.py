@@ -20,6 +20,7 @@ import yaml
 
 from trainer.config import RunConfig
 from trainer.observe.goodput import BUCKETS
+from trainer.observe.metrics import read_metrics
 
 USAGE_EXIT = 2
 DEFAULT_NAME = RunConfig().name  # says nothing about the run: the folder name does
@@ -44,6 +45,7 @@ class RunLog:
     train: list[dict[str, Any]]
     evals: list[dict[str, Any]]
     summary: dict[str, Any] | None
+    damage: str | None = None  # the damaged lines skipped, as one line
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         rows = [r for r in self.train if key in r]
@@ -76,11 +78,9 @@ def load_run(workdir: str | Path, label: str) -> RunLog:
     if not path.is_file():
         what = "does not exist" if not workdir.exists() else "has no metrics.jsonl"
         raise ReportError(f"{workdir} {what}; pass the run.workdir of a run that logged a step")
-    lines = path.read_text(errors="replace").splitlines()  # damaged bytes: lines skipped
-    rows = [row for row in map(_metrics_row, lines) if row is not None]
-    train = [r for r in rows if "loss" in r]
-    # a killed run half-writes only its last line: other lines that hold no step are damage
-    if not rows and any(line.strip() for line in lines[:-1]):
+    log = read_metrics(path)
+    train = [r for r in log.rows if "loss" in r]
+    if not log.rows and log.damaged:
         raise ReportError(
             f"{path} holds no metrics line (a JSON object with step and loss); pass the "
             "run.workdir of a run that logged a step"
@@ -91,20 +91,10 @@ def load_run(workdir: str | Path, label: str) -> RunLog:
         label=label,
         workdir=workdir,
         train=train,
-        evals=[r for r in rows if "eval_loss" in r],
+        evals=[r for r in log.rows if "eval_loss" in r],
         summary=_read_summary(workdir / "summary.json"),
+        damage=log.damage(),
     )
-
-
-def _metrics_row(line: str) -> dict[str, Any] | None:
-    """One logged step, or None for a line that is not one (a half-written last line of a
-    killed run, damaged bytes)."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    is_step = isinstance(row, dict) and type(row.get("step")) is int
-    return row if is_step else None
 
 
 def _read_summary(path: Path) -> dict[str, Any] | None:
@@ -238,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = load_runs(args.workdirs)
         for run in runs:
+            if run.damage is not None:
+                print(f"warning: {run.damage}; skipped", file=sys.stderr)
             print(text_summary(run))
         out = render(runs, args.out or Path(args.workdirs[0]) / "report.png")
     except ReportError as err:

@@ -8,12 +8,15 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
 
 from trainer.errors import TrainingError
+
+SHOWN_DAMAGED_LINES = 5  # a damaged file's one line names this many line numbers, then a count
 
 
 def _jsonable(value: Any) -> Any:
@@ -50,13 +53,15 @@ class MetricsWriter:
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / "metrics.jsonl"
         try:
-            _truncate_after(path, start_step)
+            damage = _truncate_after(path, start_step)
             self._jsonl = open(path, "a", buffering=1)  # noqa: SIM115
         except OSError as err:
             raise TrainingError(
                 f"cannot write {path}: {err.strerror}; make it writable, or choose another "
                 "run.workdir"
             ) from None
+        if damage is not None:
+            self.message(f"warning: {damage}; dropped from the resumed log")
         if tensorboard:
             from tensorboardX import SummaryWriter  # no TensorFlow import needed
 
@@ -142,41 +147,96 @@ def last_logged(workdir: str | Path, key: str) -> Any:
     """`key`'s value in the newest metrics line that has it (None without one): where a running
     total such as `skipped_steps` goes on from when a run resumes."""
     try:
-        lines = (Path(workdir) / "metrics.jsonl").read_text(errors="replace").splitlines()
+        rows = read_metrics(Path(workdir) / "metrics.jsonl").rows
     except OSError:
         return None
-    for line in reversed(lines):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and key in row:
-            return row[key]
-    return None
+    return next((row[key] for row in reversed(rows) if key in row), None)
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """On resume, drop what a killed run logged past its last checkpoint (and a half-written
-    last line), so metrics.jsonl reads as one uninterrupted run. The file is replaced whole, and
-    only when a line goes: a run killed meanwhile loses none of the lines it kept."""
-    if not path.exists():
-        return
-    lines = path.read_text(errors="replace").splitlines(keepends=True)
-    kept = [line for line in lines if _logged_by_step(line, step)]
-    if len(kept) == len(lines):
-        return
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(kept))
-    os.replace(partial, path)
+@dataclass(frozen=True)
+class LoggedRow:
+    """One whole metrics line: its number in the file (from 1), its text, and its row."""
+
+    number: int
+    text: str
+    row: dict[str, Any]
 
 
-def _logged_by_step(line: str, step: int) -> bool:
-    """Whether `line` is a whole metrics row of `step` or before."""
+@dataclass(frozen=True)
+class MetricsLog:
+    """A metrics.jsonl as read: its whole rows, and the numbers of the lines that are no row.
+    A cut-off last line (a run killed mid-write) is neither: it is expected, and left out."""
+
+    path: Path
+    lines: list[LoggedRow]
+    damaged: list[int]
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [line.row for line in self.lines]
+
+    def damage(self) -> str | None:
+        """One line naming the damaged lines (None without any)."""
+        if not self.damaged:
+            return None
+        shown = ", ".join(str(n) for n in self.damaged[:SHOWN_DAMAGED_LINES])
+        if len(self.damaged) > SHOWN_DAMAGED_LINES:
+            shown += f" and {len(self.damaged) - SHOWN_DAMAGED_LINES} more"
+        if len(self.damaged) == 1:
+            what = f"line {shown} is not a metrics row"
+        else:
+            what = f"lines {shown} are not metrics rows"
+        return f"{self.path}: {what} (a JSON object with an integer step)"
+
+
+def read_metrics(path: str | Path) -> MetricsLog:
+    """The one reader of metrics.jsonl (resume, report, benchmarks). Raises OSError where the
+    file cannot be read; bytes that are not UTF-8 only damage their line."""
+    path = Path(path)
+    return _parse_metrics(path, path.read_text(errors="replace"))
+
+
+def _parse_metrics(path: Path, text: str) -> MetricsLog:
+    """Every line a row, a blank line or damage; the last line, when the file does not end with
+    a newline, was cut off unless it is a whole row (only its newline missing)."""
+    *ended, last = text.split("\n")  # `last` is "" when the file ends with a newline
+    lines, damaged = [], []
+    for number, line in enumerate(ended, start=1):
+        row = _metrics_row(line)
+        if row is not None:
+            lines.append(LoggedRow(number, line, row))
+        elif line.strip():
+            damaged.append(number)
+    row = _metrics_row(last)
+    if row is not None:
+        lines.append(LoggedRow(len(ended) + 1, last, row))
+    return MetricsLog(path, lines, damaged)
+
+
+def _metrics_row(line: str) -> dict[str, Any] | None:
+    """The row a line holds: a JSON object with an integer `step`, as `MetricsWriter` writes."""
     try:
         row = json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return line.endswith("\n") and isinstance(row, dict) and row.get("step", 0) <= step
+    except (ValueError, RecursionError):  # not JSON; or brackets nested past Python's stack
+        return None
+    return row if isinstance(row, dict) and type(row.get("step")) is int else None
+
+
+def _truncate_after(path: Path, step: int) -> str | None:
+    """On resume, drop what a killed run logged past its last checkpoint (and a half-written
+    last line, and damaged lines), so metrics.jsonl reads as one uninterrupted run. The file is
+    replaced whole, and only when it changes: a run killed meanwhile loses none of the lines it
+    kept. Returns the damage dropped, as one line (None without any)."""
+    if not path.exists():
+        return None
+    text = path.read_text(errors="replace")
+    log = _parse_metrics(path, text)
+    kept = "".join(line.text + "\n" for line in log.lines if line.row["step"] <= step)
+    if kept != text:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(kept)
+        os.replace(partial, path)
+    return log.damage()
 
 
 def _duration(seconds: float) -> str:
