@@ -3,6 +3,9 @@ cuDNN packed kernel reads; each kernel's wiring on CPU (the GPU comparisons are 
 test_attention_gpu.py); dropout where nanoGPT puts it; the run's attention line."""
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -488,6 +491,26 @@ def test_a_plan_for_a_gpu_that_is_not_here_probes_nothing(monkeypatch):
 
 def test_pallas_probe_passes_in_the_interpreter(fresh_probes):
     assert kernels.works("pallas", jnp.float32, 16, 16)
+
+
+def test_pallas_runs_with_deprecation_warnings_as_errors():
+    """jax 0.12 deprecates its Pallas attention module with a warning at import (for another
+    package): before, under `-W error::DeprecationWarning` the probe ended in that warning's
+    traceback. jax 0.10.2 gives no such warning: there this passes either way. In a fresh
+    process, where the module is not imported yet; the warning filters are left as they were."""
+    code = (
+        "import warnings; from trainer.models import kernels; before = list(warnings.filters); "
+        "assert kernels.works('pallas', 'float32', 16, 16); "
+        "assert warnings.filters == before, 'filters changed'; print('ran')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- the model

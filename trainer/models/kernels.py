@@ -9,7 +9,9 @@ line and the next kernel runs instead:
   count (fixed by jax PR #39521): the probe runs grouped-query heads and, where that is wrong but
   repeated K/V heads are right, the kernel repeats them.
 - `pallas`: `jax.experimental.pallas.ops.gpu.attention.mha` with segment ids (Triton), the same
-  mask as XLA's, any number of documents; it wants as many K/V heads as query heads.
+  mask as XLA's, any number of documents; it wants as many K/V heads as query heads. jax 0.12
+  deprecates that module (for the separate `tokamax` package) with a warning at import, the
+  kernel itself unchanged: `pallas_gpu_attention` imports it without the warning.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -192,8 +195,7 @@ def pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, sharded: 
     """Pallas (Triton) flash attention with segment ids; run per shard of the mesh, since a
     Pallas call has no partitioning rule (GSPMD would gather the whole batch onto each device).
     Off a GPU it runs in Pallas' interpreter (tests)."""
-    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
-
+    pallas_gpu = pallas_gpu_attention()
     k_BxLxHxK, v_BxLxHxK = _repeat_heads(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     block = pallas_block(q_BxLxHxK.shape[1])
     backward = min(block, 64)  # not Pallas' default 32: faster on an H200 (BENCHMARKS.md)
@@ -207,6 +209,23 @@ def pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, sharded: 
     if not sharded:
         return call(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
     return _per_shard(call, q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL)
+
+
+# jax 0.12's warning at the import of its Pallas attention module (absent in 0.10.2)
+PALLAS_DEPRECATION = r"jax\.experimental\.pallas\.ops\.gpu\.attention is deprecated"
+
+
+@functools.cache  # imported once: the warning filter is changed only around that import
+def pallas_gpu_attention() -> Any:
+    """jax's Pallas (Triton) attention module, imported without jax 0.12's deprecation warning:
+    nothing a run can act on (its successor is another package), and under `-W error` it would
+    end the run. When jax removes the module, the probe reports the kernel unavailable and the
+    next kernel runs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", PALLAS_DEPRECATION, DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention
+
+    return attention
 
 
 def pallas_block(length: int) -> int:
@@ -286,8 +305,7 @@ def _api_problem(kernel: str) -> str | None:
                 return f"{module.__name__}.MaskType has no PADDING_CAUSAL"
             where = f"{module.__name__}.dot_product_attention"
         else:
-            from jax.experimental.pallas.ops.gpu import attention as module
-
+            module = pallas_gpu_attention()
             function, needed = module.mha, _PALLAS_PARAMS
             module.BlockSizes(128, 128, 64, 64, 64, 64)
             where = f"{module.__name__}.mha"
