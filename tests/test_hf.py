@@ -23,11 +23,11 @@ from trainer.errors import ConfigError
 from trainer.export import export_params
 from trainer.generate import load_generator, sample
 from trainer.hf.config import hf_config, model_fields
-from trainer.hf.weights import load_hf_params
-from trainer.models import builder_for_vocab
+from trainer.hf.weights import SAFETENSORS_INDEX, load_hf_params, save_hf_weights
+from trainer.models import builder_for_vocab, model_spec
 from trainer.parallel.sharding import make_mesh
 from trainer.program import build_program
-from trainer.train import run
+from trainer.train import init_from, run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 UNTIED = FIXTURES / "hf_tiny_llama"  # GQA, llama3 rope scaling, norm eps 1e-5, tokenizer
@@ -69,6 +69,61 @@ def test_import_reads_each_shard_into_a_stage_fsdp_tensor_layout():
     np.testing.assert_array_equal(head, original["lm_head.weight"].T)
     embed = params["embed"]["embedding"]
     np.testing.assert_array_equal(embed, original["model.embed_tokens.weight"])
+
+
+def hf_copy_without_weights(folder: Path) -> Path:
+    """A new folder with UNTIED's config and tokenizer files, for weights written next."""
+    folder.mkdir()
+    for file in UNTIED.iterdir():
+        if file.suffix == ".json":
+            shutil.copyfile(file, folder / file.name)
+    return folder
+
+
+def test_an_export_split_into_shards_reads_back_as_the_whole_one(tmp_path):
+    """`save_hf_weights` above `max_shard_bytes`: several files and an index naming, for every
+    tensor, the file that holds it; read back by safetensors and by `checkpoint.init_from`,
+    the same numbers as the one-file export."""
+    overrides = [f"checkpoint.init_from=hf:{UNTIED}", "mesh.fsdp=2", "mesh.tensor=2"]
+    config = load_config(None, overrides)
+    program = build_program(config, make_mesh(config.mesh), builder_for_vocab(config))
+    params = load_hf_params(UNTIED, program.abstract_state().params)
+    whole = hf_copy_without_weights(tmp_path / "whole")
+    split = hf_copy_without_weights(tmp_path / "split")
+    assert save_hf_weights(params, whole) == ["model.safetensors"]
+    written = tensors(whole)
+    max_shard_bytes = max(a.nbytes for a in written.values())  # the biggest alone in a shard
+    files = save_hf_weights(params, split, max_shard_bytes=max_shard_bytes)
+
+    assert len(files) >= 3 and sorted(p.name for p in split.glob("*.safetensors")) == files
+    index = json.loads((split / SAFETENSORS_INDEX).read_text())
+    assert set(index["weight_map"]) == set(written)
+    assert set(index["weight_map"].values()) == set(files)
+    held = {}
+    for file in files:
+        with safe_open(str(split / file), framework="np") as f:
+            held.update(dict.fromkeys(f.keys(), file))  # noqa: SIM118
+            assert sum(f.get_tensor(n).nbytes for n in f.keys()) <= max_shard_bytes  # noqa: SIM118
+    assert held == index["weight_map"]  # each tensor in exactly the file the index names
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in written.values())
+
+    read_back, original = tensors(split), tensors(UNTIED)  # safetensors' own reader
+    assert sorted(read_back) == sorted(written) == sorted(original)
+    for name, array in written.items():
+        assert read_back[name].dtype == array.dtype
+        np.testing.assert_array_equal(read_back[name], array, err_msg=name)
+        np.testing.assert_array_equal(array, original[name], err_msg=name)
+
+    def started_from(folder: Path) -> list[np.ndarray]:
+        config = load_config(None, [f"checkpoint.init_from=hf:{folder}", *overrides[1:]])
+        program = build_program(config, make_mesh(config.mesh), builder_for_vocab(config))
+        state = init_from(config.checkpoint.init_from, program, model_spec(config.model.kind))
+        return [np.asarray(leaf) for leaf in jax.tree.leaves(state.params)]
+
+    exported = [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
+    for a, b, c in zip(started_from(split), started_from(whole), exported, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
 
 
 def test_config_json_of_transformers_4_and_5_read_alike():
