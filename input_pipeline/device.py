@@ -146,7 +146,9 @@ class DeviceFeed:
         self._free_slots = threading.Semaphore(max(1, prefetch))
         self._stop = threading.Event()
         self.last_wait_s = 0.0
-        self._abandoned = False  # a wait for a batch was given up: the source may never return
+        self._given_up = False  # the run is stopping: `close` does not wait for a read
+        self._reading = False  # the thread is in the source's `next`, which may never return
+        self._phase = threading.Lock()  # `_reading` and `_stop`, seen together
         self._thread = threading.Thread(target=self._fill, name="device-feed", daemon=True)
         self._thread.start()
 
@@ -154,15 +156,28 @@ class DeviceFeed:
         """Host batch, the iterator's state after it, global arrays: in order, each into a free
         slot; the end or an error passes through (and needs no slot)."""
         try:
-            for host_batch in self._iterator:
+            while self._start_read():
+                try:
+                    host_batch = next(self._iterator)
+                except StopIteration:
+                    self._ready.put(_END)
+                    return
+                finally:
+                    self._reading = False
                 state = self._iterator.get_state() if hasattr(self._iterator, "get_state") else None
                 item = (to_global(host_batch, self._sharding, self._feeders), state)
                 if not self._take_free_slot():
                     return
                 self._ready.put(item)
-            self._ready.put(_END)
         except BaseException as err:  # re-raised in the consumer, never swallowed
             self._ready.put(err)
+
+    def _start_read(self) -> bool:
+        """Whether to read the next batch: never once `close` began, which then knows that the
+        thread is not in the source, and waits for it."""
+        with self._phase:
+            self._reading = not self._stop.is_set()
+            return self._reading
 
     def _take_free_slot(self) -> bool:
         while not self._stop.is_set():
@@ -190,7 +205,7 @@ class DeviceFeed:
                 break
             except queue.Empty:
                 if stopped():
-                    self._abandoned = True
+                    self.give_up()
                     return None
         self.last_wait_s = time.perf_counter() - start
         return self._take(item)
@@ -205,13 +220,21 @@ class DeviceFeed:
         self._free_slots.release()
         return item
 
+    def give_up(self) -> None:
+        """The run is stopping (a stop request): `close` will not wait for a read from the
+        source, which may never return (a dead mount) and would cost the stop's grace period."""
+        self._given_up = True
+
     def close(self) -> None:
-        """Stop the thread; wait for it unless a wait for its batch was given up (`next_unless`):
-        then it is blocked in the source, and leaves once the source returns. A Grain iterator
-        is then closed here, its worker processes stopped in order: left to the exit's
-        finalizers, its stop raced its own threads' (a Grain traceback after a data error)."""
-        self._stop.set()
-        self._thread.join(timeout=0 if self._abandoned else 10)
+        """Stop the thread; wait for it, unless the feed was given up (`give_up`, or a wait in
+        `next_unless` that a stop ended) while the thread is in the source: it then leaves once
+        the source returns. A Grain iterator is then closed here, its worker processes stopped
+        in order: left to the exit's finalizers, its stop raced its own threads' (a Grain
+        traceback after a data error)."""
+        with self._phase:
+            self._stop.set()  # no read starts after this
+            in_source = self._reading
+        self._thread.join(timeout=0 if in_source and self._given_up else 10)
         if not self._thread.is_alive() and hasattr(self._iterator, "close_readers"):
             self._iterator.close_readers()
 

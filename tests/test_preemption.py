@@ -104,3 +104,19 @@ def test_a_sigterm_that_came_just_before_jax_took_it_over_is_handed_on():
     finally:
         signal.signal(signal.SIGTERM, before)
     assert seen == [signal.SIGTERM]
+
+
+def test_a_second_sigint_aborts_unless_the_stops_save_has_begun(capfd):
+    """Ctrl-C twice aborts; once the stop's save has begun, a second one says (once) that the save
+    is finishing, and the run goes on to end as a stop (tests/test_stop_paths.py: the CLI)."""
+    with pytest.raises(KeyboardInterrupt), StopRequest() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+        signal.raise_signal(signal.SIGINT)
+    with StopRequest() as stop:
+        signal.raise_signal(signal.SIGINT)
+        stop.saving_last(5)
+        for _ in range(2):
+            signal.raise_signal(signal.SIGINT)
+    err = capfd.readouterr().err
+    assert err.count("SIGINT again: the checkpoint of step 5 is being saved") == 1, err

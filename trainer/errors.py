@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 
 
 class ConfigError(ValueError):
@@ -32,3 +35,14 @@ def first_line(err: BaseException, *, with_type: bool = True) -> str:
     elif with_type:
         line = f"{type(err).__name__}: {line}"
     return line if len(line) <= LINE_LIMIT else line[: LINE_LIMIT - 3] + "..."
+
+
+def say_now(line: str) -> None:
+    """Write `line` to stderr from a signal handler, or just before `os._exit`: straight to the
+    file descriptor, as the handler may run in the middle of a print (what was printed before
+    is flushed first)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a print that this handler interrupted
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, f"{line}\n".encode())  # stderr's descriptor

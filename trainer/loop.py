@@ -253,6 +253,8 @@ class Loop:
                     ) from None
                 if fetched is None:  # a stop while waiting for data: at the last completed step
                     step -= 1
+                    if step > saved:  # its save is the run's last: a second SIGINT lets it finish
+                        stop.saving_last(step)
                     self._stop_between_steps(step, state, data_state, pending, progress, saved)
                     break
                 batch, data_state = fetched
@@ -289,8 +291,11 @@ class Loop:
                     with timing("eval"), watch("eval"):
                         self.sampler(step, state)
                 if saving:
+                    if stop.requested:  # the run's last save: a second SIGINT lets it finish
+                        stop.saving_last(step)
                     saved = self._save(step, state, data_state, progress)
                 if stop.requested:
+                    feed.give_up()  # its read under way, which may never return, is not waited for
                     break
         result.state, result.step = state, step
         if stop.requested:
@@ -384,6 +389,7 @@ class Loop:
         with feed:
             for _ in range(self.config.eval.steps):
                 if stopped():  # a long eval of ready batches must not outlast a SIGTERM's grace
+                    feed.give_up()  # as a stopped wait does: its thread may be stuck in the source
                     return None
                 try:
                     fetched = feed.next_unless(stopped)

@@ -1,6 +1,7 @@
 """Clean stops: the first SIGTERM or SIGINT asks the loop to finish the current step, save, and
-exit 0; a second SIGINT aborts at once (KeyboardInterrupt). A single process waiting for a batch
-stops at once, saving the last completed step (`at_wait`).
+exit 0; a second SIGINT aborts at once (KeyboardInterrupt), unless that save has begun: then it
+says so and lets the save finish (`saving_last`). A single process waiting for a batch stops at
+once, saving the last completed step (`at_wait`).
 
 With several processes, every one must stop after the same step: a host that alone saw the
 signal would save and leave while the others wait for it in the next collective, forever. So
@@ -20,7 +21,6 @@ their first step.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -29,6 +29,8 @@ from typing import NoReturn
 
 import jax
 from jax.experimental import multihost_utils
+
+from trainer.errors import say_now
 
 
 class StopRequest:
@@ -41,6 +43,8 @@ class StopRequest:
         self._multihost = jax.process_count() > 1
         self._asked = 0  # this session's questions to JAX's sync point: 1, 2, ... per step
         self._previous: dict[int, object] = {}
+        self._saving_step: int | None = None  # the stop's own save has begun (`saving_last`)
+        self._said_finishing = False
 
     def at_step(self) -> bool:
         """Decide whether the step just run is the last one; call it exactly once per step on
@@ -69,12 +73,33 @@ class StopRequest:
         self.requested = self.signal_name is not None
         return self.requested
 
+    def saving_last(self, step: int) -> None:
+        """The loop begins the stop's save, of `step` (its last act): a second SIGINT from now on
+        lets it finish. Raised in the middle of Orbax's save, its KeyboardInterrupt left a partial
+        save and Orbax's tracebacks at exit; once the save was being written, closing the run
+        waited for it anyway, and then said that nothing was saved."""
+        self._saving_step = step
+
     def _handle(self, signum: int, _frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt("second SIGINT: aborting without saving")
+            self._second_sigint()
+            return
         self.signal_name = signal.Signals(signum).name
         if self._multihost:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's preemption notifier
+
+    def _second_sigint(self) -> None:
+        """Abort at once, without saving; or, once the stop's save has begun, say (once) that it
+        is finishing, and how to abandon it."""
+        if self._saving_step is None:
+            raise KeyboardInterrupt("second SIGINT: aborting without saving")
+        if not self._said_finishing:
+            self._said_finishing = True
+            say_now(
+                f"SIGINT again: the checkpoint of step {self._saving_step} is being saved; the "
+                "run stops once it is complete (killing the process abandons it: the next run "
+                "then resumes from the checkpoint before)"
+            )
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals need the main thread
@@ -188,11 +213,6 @@ class OutsideLoop:
 
 
 def _end_before_joining(stop: Stopped) -> NoReturn:
-    """Write the stop's line and end the process now (see `OutsideLoop`). Written straight to
-    the file descriptor: this runs in a signal handler, maybe in the middle of a print."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a print that this handler interrupted
-            stream.flush()
-    with contextlib.suppress(OSError):
-        os.write(2, f"{stop.line()}\n".encode())  # stderr's descriptor
+    """Write the stop's line and end the process now (see `OutsideLoop`)."""
+    say_now(stop.line())
     os._exit(0)

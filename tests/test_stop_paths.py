@@ -1,0 +1,208 @@
+"""How a run stops. A stop while a data source is stuck in a read (a dead mount) saves and ends
+the run without waiting for that read: under Slurm the grace period after SIGTERM is about 30 s,
+and closing the feed used to wait 10 s for a reader that never returns whenever the loop saw the
+stop somewhere else than in its own wait for that batch (after a step, or between two eval
+batches). A second Ctrl-C once the stop's checkpoint is being saved lets that save finish and
+says so, instead of cutting it (or waiting for it anyway) and saying nothing was saved."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from trainer.config import load_config
+from trainer.train import run
+
+ROWS, LENGTH = 16, 64
+WAIT_S = 240  # a generous bound on a run that ends by itself, never asserted on
+
+
+def random_batch(seed: int) -> dict[str, np.ndarray]:
+    tokens = np.random.default_rng(seed).integers(0, 256, (ROWS, LENGTH + 1), dtype=np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "weights": np.ones((ROWS, LENGTH), np.float32),
+    }
+
+
+def healthy_batches():
+    seed = 0
+    while True:
+        yield random_batch(seed)
+        seed += 1
+
+
+class StuckRead:
+    """Batch `stuck_at` of a source: reading it sends the run a SIGTERM (the job's time runs out)
+    and never returns, until the test ends (`release`) or a join waits for it (`waited`)."""
+
+    def __init__(self, stuck_at: int) -> None:
+        self.stuck_at = stuck_at
+        self.thread: threading.Thread | None = None  # the feed thread stuck in the read
+        self.waited: list[float | None] = []  # the timeouts of joins that waited for it
+        self._released = threading.Event()
+
+    def batches(self):
+        seed = 0
+        while True:
+            if seed == self.stuck_at:
+                self.thread = threading.current_thread()
+                os.kill(os.getpid(), signal.SIGTERM)
+                self._released.wait()
+                return
+            yield random_batch(seed)
+            seed += 1
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@pytest.fixture
+def stuck(monkeypatch):
+    """A `StuckRead` factory; a join that would wait for the stuck thread is recorded and lets
+    the read return at once, so that the test shows the wait without taking its time."""
+    reads: list[StuckRead] = []
+    real_join = threading.Thread.join
+
+    def recording_join(thread: threading.Thread, timeout: float | None = None) -> None:
+        for read in reads:
+            if thread is read.thread and timeout != 0:
+                read.waited.append(timeout)
+                read.release()
+        real_join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", recording_join)
+    outside = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stray one must not end pytest
+    try:
+        yield lambda stuck_at: reads.append(StuckRead(stuck_at)) or reads[-1]
+    finally:
+        signal.signal(signal.SIGTERM, outside)
+        for read in reads:
+            read.release()
+
+
+def config(workdir, *extra: str):
+    args = [*TINY, "model.vocab_size=256", "run.steps=8", "optim.decay_steps=8"]
+    args += ["checkpoint.every=100", "log.tensorboard=false", "data.prefetch=4"]
+    return load_config(None, [*args, f"run.workdir={workdir}", *extra])
+
+
+def saved_steps(workdir) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_a_stop_after_a_step_does_not_wait_for_a_stuck_training_read(stuck, tmp_path, capfd):
+    """Batches 0-3 fill the feed's 4 slots; reading batch 4 sends the SIGTERM and sticks. The
+    loop sees the stop after a step, saves it and closes the feed, whose thread is in that read."""
+    read = stuck(4)
+    result = run(config(tmp_path, "eval.every=100"), data=read.batches())
+    assert read.thread is not None and result.step < 5
+    assert saved_steps(tmp_path) == [result.step]
+    assert f"stopped by SIGTERM at step {result.step}" in capfd.readouterr().err
+    assert read.waited == [], "closing the feed waited for a read that never returns"
+
+
+def test_a_stop_between_eval_batches_does_not_wait_for_a_stuck_eval_read(stuck, tmp_path, capfd):
+    """The eval after step 2 gets its batch 0; reading batch 1 sends the SIGTERM and sticks. The
+    eval ends at its next batch, and the run saves step 2."""
+    read = stuck(1)
+    args = ["eval.every=2", "eval.steps=4"]
+    result = run(config(tmp_path, *args), data=healthy_batches(), eval_data=read.batches)
+    assert read.thread is not None and result.step == 2
+    assert saved_steps(tmp_path) == [2]
+    assert "stopped by SIGTERM at step 2" in capfd.readouterr().err
+    assert read.waited == [], "closing the eval's feed waited for a read that never returns"
+
+
+# The CLI, with SECOND_SIGINT set to `save` or `wait`: the process sends itself a SIGINT as the loop
+# enters that call of its Checkpointer once the first SIGINT was seen, as Ctrl-C pressed again
+# while the stop's checkpoint is being started, or written.
+TWICE_RUN = """
+import os, signal, sys
+from trainer.checkpoint import Checkpointer
+from trainer.main import main
+
+def first_sigint_seen():
+    stop = getattr(signal.getsignal(signal.SIGINT), "__self__", None)  # the loop's StopRequest
+    return getattr(stop, "signal_name", None) == "SIGINT"
+
+if os.environ.get("SECOND_SIGINT"):
+    name, sent = os.environ["SECOND_SIGINT"], []
+    real = getattr(Checkpointer, name)
+    def sigint_again_then(self, *args):
+        if first_sigint_seen() and not sent:
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *args)
+    setattr(Checkpointer, name, sigint_again_then)
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def twice_run(repo_root, corpus, workdir, steps: int, **env: str) -> subprocess.Popen:
+    args = ["--config", "configs/tiny.yaml", *TINY, f"data.path={corpus}", f"run.steps={steps}"]
+    args += ["checkpoint.every=1000", "eval.every=1000", "log.tensorboard=false"]
+    return subprocess.Popen(
+        [sys.executable, "-c", TWICE_RUN, *args, f"run.workdir={workdir}"],
+        cwd=repo_root,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def logged_steps(workdir) -> list[int]:
+    metrics = workdir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [row["step"] for row in map(json.loads, lines) if "loss" in row]
+
+
+def exit_of(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, stderr = proc.communicate(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        pytest.fail(f"no exit within {WAIT_S} s:\n{stderr[-3000:]}")
+    return proc.returncode, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during", ["save", "wait"])
+def test_ctrl_c_again_while_the_stop_saves_lets_the_save_finish(
+    during, corpus, tmp_path, repo_root
+):
+    """Ctrl-C, then Ctrl-C again as the stop's checkpoint is started (`save`) or written
+    (`wait`). Before: a KeyboardInterrupt in the middle of Orbax's save: rc 130 and "interrupted
+    without saving", with the save either cut (a partial folder, Orbax's tracebacks at exit) or,
+    once written, waited for anyway by the run's close (saved after all, said not to be)."""
+    workdir = tmp_path / "run"
+    proc = twice_run(repo_root, corpus, workdir, 1000, SECOND_SIGINT=during)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(logged_steps(workdir)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "never trained 2 steps"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        code, stderr = exit_of(proc)
+    finally:
+        proc.kill()
+    assert code == 0, stderr[-3000:]
+    [step] = saved_steps(workdir)
+    assert f"SIGINT again: the checkpoint of step {step} is being saved" in stderr, stderr[-3000:]
+    assert f"stopped by SIGINT at step {step}; checkpoint saved" in stderr
+    assert f"finished at step {step} of 1000: stopped early" in stderr
+    assert "Traceback" not in stderr and "ERROR" not in stderr
+
+    code, stderr = exit_of(twice_run(repo_root, corpus, workdir, step + 2))
+    assert code == 0 and f"(step {step})" in stderr, stderr[-3000:]
+    assert logged_steps(workdir)[-2:] == [step + 1, step + 2]
