@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -146,3 +147,71 @@ def test_checkpoint_warm_up_runs_once_and_leaves_nothing_behind(corpus, tmp_path
     assert result.step == 8 and len(warmed) == 2 and not warm_folder.exists()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in rows if "loss" in r) == list(range(1, 9))
+
+
+@dataclass
+class TimedDevice:
+    """A device that runs each step in `STEP_S` of a fake clock, one after the other, starting
+    each when it is dispatched or the one before ends; the host's own work takes no time."""
+
+    now: float = 0.0
+    ends: list[float] = field(default_factory=list)  # each dispatched step's end
+
+    def dispatch(self) -> int:
+        self.ends.append(max(self.now, self.ends[-1] if self.ends else 0.0) + STEP_S)
+        return len(self.ends)
+
+
+STEP_S, SAVE_S = 1.0, 100.0
+
+
+@dataclass
+class TimedMetrics:
+    device: TimedDevice
+    step: int
+
+    def start_copy(self) -> None:
+        pass
+
+    def is_ready(self) -> bool:
+        return self.device.now >= self.device.ends[self.step - 1]
+
+    def read(self) -> dict[str, float]:
+        self.device.now = max(self.device.now, self.device.ends[self.step - 1])  # blocks
+        one = 1.0
+        return {"loss": one, "grad_norm": one, "lr": one, "tokens": 8.0, "params_finite": one}
+
+
+def test_a_steps_time_is_its_own_not_its_dispatch_nor_a_save_before_it(tmp_path, monkeypatch):
+    """Every step takes STEP_S on the device, so every line says STEP_S. Timed from dispatch to
+    dispatch, as before, the first steps, dispatched into an idle queue, took no time, a later
+    one took theirs, and the step after a save took the save's SAVE_S too."""
+    import trainer.loop
+
+    device = TimedDevice()
+    monkeypatch.setattr(trainer.loop, "time", SimpleNamespace(perf_counter=lambda: device.now))
+    monkeypatch.setattr(DeviceFeed, "ready", lambda self: True)
+
+    class Program:
+        batch_sharding = sharding.batch_sharding(sharding.make_mesh(MeshConfig()))
+
+        def stepper(self):
+            return lambda state, batch: (state + 1, TimedMetrics(device, device.dispatch()))
+
+    class SlowSaves(NoCheckpoints):
+        def save(self, step, state, data_state, meta) -> float:
+            device.now += SAVE_S
+            return 0.0
+
+    config = load_config(
+        None,
+        [f"run.workdir={tmp_path}", f"run.steps={STEPS}", "log.every=1", "checkpoint.every=4"],
+    )
+    batches = iter([{"inputs": np.zeros((8, 4), np.int32)}] * STEPS)
+    sources = DataSources(train=batches, make_eval=None, description="fake", fingerprint="")
+    writer = MetricsWriter(tmp_path, total_steps=STEPS, tensorboard=False, stream=io.StringIO())
+    Loop(config, sources, Program(), SlowSaves(), writer, meta={}).train(0, 0)
+    writer.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["step_time_s"] for r in rows if "loss" in r}
+    assert times == {step: STEP_S for step in range(1, STEPS + 1)}

@@ -54,8 +54,7 @@ class StepRecord:
 
     step: int
     metrics: StepMetrics
-    seconds: float  # wall time since the previous step was dispatched
-    wait_s: float  # of which waiting for its batch
+    wait_s: float  # wall time waiting for its batch
     data_state: Any = None  # the data position after its batch (per-source token counts)
     batch: Batch | None = None  # its arrays, already on the devices: checked if its loss is NaN
 
@@ -71,10 +70,10 @@ class LogWindow:
     tokens: float = 0.0  # what the loss averaged over: tokens without padding, or examples
     aux: dict[str, list[float]] = field(default_factory=dict)  # loss_fn's other aux scalars
 
-    def add(self, record: StepRecord, metrics: dict[str, float]) -> None:
+    def add(self, record: StepRecord, metrics: dict[str, float], seconds: float) -> None:
         self.steps += 1
         _add_finite(self.losses, metrics["loss"])
-        self.seconds += record.seconds
+        self.seconds += seconds
         self.wait_s += record.wait_s
         self.tokens += metrics["tokens"]
         for name, value in metrics.items():
@@ -145,6 +144,9 @@ class Progress:
     window: LogWindow = field(default_factory=LogWindow)  # steps since the last metrics line
     # the newest step's metrics and data position, while no line reports it yet
     unlogged: tuple[dict[str, float], Any] | None = None
+    # when the last step's metrics were read, or work that is no step (an eval, a save) ended:
+    # a step's time is from there to the read of its own metrics (see `Loop._record`)
+    clock: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -234,7 +236,7 @@ class Loop:
             if total - start_step > config.checkpoint.every:  # a save before the last step
                 with timing("checkpoint"), watch("checkpoint"):
                     self.checkpointer.warm_up(state, self.meta)
-            tick = time.perf_counter()
+            progress.clock = time.perf_counter()
             saved = start_step  # the newest step with a checkpoint (or none, at 0)
             data_state: Any = None  # the data position after the last step's batch
             for step in range(start_step + 1, total + 1):
@@ -264,10 +266,7 @@ class Loop:
                     metrics.start_copy()
                     self._read_finished(pending, progress, keep=IN_FLIGHT - 1)
                 profile.after_step(step, metrics)
-                now = time.perf_counter()
-                wait_s = feed.last_wait_s
-                pending.append(StepRecord(step, metrics, now - tick, wait_s, data_state, batch))
-                tick = now
+                pending.append(StepRecord(step, metrics, feed.last_wait_s, data_state, batch))
                 saving = stop.at_step() or step % config.checkpoint.every == 0 or step == total
                 evaluating = step % config.eval.every == 0 or step == total
                 if saving or evaluating:
@@ -294,6 +293,8 @@ class Loop:
                     if stop.requested:  # the run's last save: a second SIGINT lets it finish
                         stop.saving_last(step)
                     saved = self._save(step, state, data_state, progress)
+                if saving or evaluating:  # every step was read first: the next starts now
+                    progress.clock = time.perf_counter()
                 if stop.requested:
                     feed.give_up()  # its read under way, which may never return, is not waited for
                     break
@@ -422,11 +423,16 @@ class Loop:
         at the run's last step, and at a stop (`last`)."""
         step = record.step
         metrics = record.metrics.read()
+        # Timed from read to read, not from dispatch to dispatch: dispatch returns before the
+        # device runs the step, so a step dispatched into an idle queue (after the compile, an
+        # eval or a save) took no time, and the one that waited for it took two.
+        now = time.perf_counter()
+        seconds, progress.clock = now - progress.clock, now
         progress.watchdog.beat(step)
         self.nonfinite.check(step, metrics, record.batch)
         progress.skipped_steps += int(metrics.get("skipped", 0.0))
         progress.tokens_seen += metrics["tokens"]
-        progress.window.add(record, metrics)
+        progress.window.add(record, metrics, seconds)
         progress.unlogged = metrics, record.data_state
         if step % self.config.log.every and step != self.config.run.steps and not last:
             return
