@@ -115,10 +115,17 @@ def check_fields(raw: Any, info_file: Path) -> None:
         split = _field(info_file, splits, name, dict, "splits.")
         for count in ("documents", "records", "tokens"):
             _field(info_file, split, count, int, where)
+        listed = 0
         for i, shard in enumerate(_field(info_file, split, "shards", list, where)):
             shard = _field(info_file, {i: shard}, i, dict, f"{where}shards")
             _field(info_file, shard, "file", str, f"{where}shards[{i}].")
-            _field(info_file, shard, "records", int, f"{where}shards[{i}].")
+            listed += _field(info_file, shard, "records", int, f"{where}shards[{i}].")
+        if listed != split["records"]:  # else a reader meets fewer records than it counts on
+            raise DataError(
+                f"{info_file}: {where}records is {split['records']} but its shards list "
+                f"{listed} (damaged, or not written by prepare); re-run python -m "
+                "input_pipeline.prepare --overwrite"
+            )
 
 
 def _field(info_file: Path, parent: dict, key: Any, kind: type, prefix: str = "") -> Any:

@@ -64,11 +64,18 @@ class MixedStream:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
+    def _next_batch(self, name: str) -> Batch:
+        """Source `name`'s next batch, in this process's memory: a batch of Grain worker
+        processes lies in shared memory, which Grain unlinks once the batch is dropped, and the
+        batch in hand is dropped only at the exit (Python's resource tracker then warned of
+        "leaked shared_memory objects" after the run's last line)."""
+        return {key: np.array(value) for key, value in next(self.iterators[name]).items()}
+
     def _take_row(self, name: str) -> dict[str, np.ndarray]:
         batch = self._in_hand[name]
         if batch is None or self._used[name] == len(batch["inputs"]):
             self._read_at[name] = copy.deepcopy(self.iterators[name].get_state())
-            batch = self._in_hand[name] = next(self.iterators[name])
+            batch = self._in_hand[name] = self._next_batch(name)
             self._used[name] = 0
         row = {k: v[self._used[name]] for k, v in batch.items()}
         self._used[name] += 1
@@ -119,7 +126,7 @@ class MixedStream:
             self._in_hand[name], self._used[name] = None, 0
             if saved["used"] >= 0:  # re-read the batch that was in hand; skip its used rows
                 self._read_at[name] = copy.deepcopy(saved["position"])
-                self._in_hand[name] = next(self.iterators[name])
+                self._in_hand[name] = self._next_batch(name)
                 self._used[name] = int(saved["used"])
         self.row = int(state["row"])
         self.taken = np.array([state["taken"][n] for n in self.names], np.int64)

@@ -267,7 +267,8 @@ def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.Ite
         return grain.MapDataset.range(0).to_iter_dataset()
     if reading.reader == "tfdata":
         return tfdata_records(paths, reading, info.vocab_size)
-    return grain_records(paths, info.vocab_size, reading)
+    listed = {str(info.path / s["file"]): s["records"] for s in info.split(split)["shards"]}
+    return grain_records(paths, info.vocab_size, reading, listed)
 
 
 def make_batch_iterator(

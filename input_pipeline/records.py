@@ -16,7 +16,7 @@ import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from input_pipeline.dataset_info import sha256_of
+from input_pipeline.dataset_info import INFO_FILE, sha256_of
 from input_pipeline.errors import DataError
 
 # group_size:1 keeps every record independently addressable: global shuffles stay cheap.
@@ -129,7 +129,10 @@ class CheckedSource:
         self.skip_corrupt = skip_corrupt
         self.skip_log = str(skip_log) if skip_log else None
         self.starts = np.concatenate([[0], np.cumsum(records_per_shard)])
-        self.shards = [self._open(path) for path in self.paths]
+        self.shards = [
+            self._open(path, listed)
+            for path, listed in zip(self.paths, records_per_shard, strict=True)
+        ]
         if self.shards and all(shard is None for shard in self.shards):
             raise DataError(
                 f"all {len(self.paths)} shards of {Path(self.paths[0]).parent} this split reads "
@@ -141,13 +144,24 @@ class CheckedSource:
         self._lock = threading.Lock()
         self._skips = SkipLog(self.skip_log)
 
-    def _open(self, path: str):
+    def _open(self, path: str, listed: int):
+        """The shard's reader; None where its index is unreadable and `skip_corrupt` is on. A
+        shard holding other than the `listed` records (dataset.json's count) is not the one
+        prepare wrote: records past its end would be a ValueError from inside array_record, records
+        past the listed ones never read."""
         try:
-            return grain.sources.ArrayRecordDataSource([path])
+            source = grain.sources.ArrayRecordDataSource([path])
         except RuntimeError as err:
             if self.skip_corrupt:
                 return None
             raise DataError(_corrupt_message(path, err)) from None
+        if len(source) != listed:
+            raise DataError(
+                f"shard {path} holds {len(source)} records but {Path(path).parent / INFO_FILE} "
+                f"lists {listed} (the two do not belong together); restore them or re-run "
+                "python -m input_pipeline.prepare --overwrite"
+            )
+        return source
 
     def __len__(self) -> int:
         return int(self.starts[-1])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import os
 import re
 import time
 from typing import Any
@@ -79,6 +80,9 @@ def tfdata_records(paths: list[str], reading: Reading, vocab_size: int) -> TfDat
             f"data.workers={reading.workers} does not apply to data.reader=tfdata, which runs "
             "its own parallel reads; set data.workers=0 or use data.reader=grain"
         )
+    for path in paths:  # tf.data reads an empty file as a shard without records, in silence
+        if os.path.getsize(path) == 0:
+            raise DataError(_damaged(path, "0 bytes, where dataset.json lists its records"))
     return TfDataRecords(
         paths,
         vocab_size=vocab_size,

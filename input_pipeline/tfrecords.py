@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -75,19 +76,23 @@ def host_shards(
     return paths[process_index::process_count]
 
 
-def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.IterDataset:
-    """Decoded `{"inputs", "targets"}` records of TFRecord shards `paths`, read by Grain."""
+def grain_records(
+    paths: list[str], vocab_size: int, reading: Reading, listed: dict[str, int] | None = None
+) -> grain.IterDataset:
+    """Decoded `{"inputs", "targets"}` records of TFRecord shards `paths`, read by Grain;
+    `listed`: the records dataset.json lists per shard, which a shard read whole must hold."""
     files = grain.MapDataset.source(paths)
     if reading.shuffle:
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch
     empty = EmptyShards(paths, in_order=not reading.shuffle, workers=reading.workers)
-    shard = functools.partial(
-        TFRecordShard,
-        vocab_size=vocab_size,
-        skip_corrupt=reading.skip_corrupt,
-        skips=SkipLog(reading.skip_log),  # shared by this reader's shards of every epoch
-        empty=empty,
-    )
+    skips = SkipLog(reading.skip_log)  # shared by this reader's shards of every epoch
+    listed = listed or {}
+
+    def shard(path: str) -> TFRecordShard:
+        return TFRecordShard(
+            path, vocab_size, reading.skip_corrupt, skips, empty, listed=listed.get(path)
+        )
+
     shards = files.repeat(reading.num_epochs).map(shard)
     # Shuffling reads several shards at once; unshuffled, shards are read in order, so one host
     # sees records in the same order as the ArrayRecord pipeline does.
@@ -106,9 +111,11 @@ def grain_records(paths: list[str], vocab_size: int, reading: Reading) -> grain.
 
 
 class TFRecordShard(grain.IterDataset):
-    """One shard through `grain.experimental.TFRecordIterDataset`, parsed to next-token pairs;
-    custom because Grain's reader neither names a damaged file nor skips damaged records: damage
-    becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip."""
+    """One shard through `CheckedRecords`, parsed to next-token pairs; custom because Grain's
+    reader neither checks a record's CRC, names a damaged file nor skips damaged records: damage
+    becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip. A shard read
+    whole that ends before the `listed` records (dataset.json's count) lost the rest: damage too
+    (a zero-length shard, or one cut between two records, reads as a shorter shard)."""
 
     def __init__(
         self,
@@ -117,6 +124,7 @@ class TFRecordShard(grain.IterDataset):
         skip_corrupt: bool,
         skips: SkipLog | None = None,
         empty: EmptyShards | None = None,
+        listed: int | None = None,
     ):
         super().__init__()
         self.path = path
@@ -124,6 +132,7 @@ class TFRecordShard(grain.IterDataset):
         self.skip_corrupt = skip_corrupt
         self.skips = SkipLog(None) if skips is None else skips
         self.empty = EmptyShards([path], in_order=True) if empty is None else empty
+        self.listed = listed
 
     def __iter__(self) -> grain.DatasetIterator:
         return _ShardIterator(self)
@@ -138,30 +147,57 @@ class _ShardIterator(grain.DatasetIterator):
         self._shard = shard
         self._example = tensorflow().train.Example
         self._good = 0  # records returned: a shard read whole that returns none is `empty`
+        self._framed = 0  # records met, readable or not, in a read from the shard's start
         self._whole: bool | None = True  # read from its start, not resumed mid-shard; None: ended
         try:
-            self._records = iter(grain.experimental.TFRecordIterDataset(shard.path))
+            self._records = CheckedRecords(shard.path)
         except OSError as err:
             raise DataError(_damaged(shard.path, err.strerror or str(err))) from None
 
     def __next__(self) -> dict[str, np.ndarray] | ShareUnreadable:
         while True:
-            offset = self._records.get_state()["reader_offset"]
+            offset = self._records.offset
             try:
                 record = next(self._records)
             except StopIteration:
+                self._lost(offset)
                 return self._ended()
-            except (ValueError, OverflowError, MemoryError):  # a cut or garbled length field
-                self._bad(offset, TRUNCATED)
-                # The rest cannot be framed: back to the cut, so asking again (Grain reads on
-                # past a `ShareUnreadable`) meets the same cut, not records framed from garbage.
-                self._records.set_state({"reader_offset": offset})
-                return self._ended()
+            except OSError as err:
+                raise DataError(_damaged(self._shard.path, str(err))) from None
+            except DamagedRecordError as damage:
+                self._bad(offset, damage.problem)
+                self._framed += 1
+                if damage.next_offset is None:  # the rest cannot be framed
+                    self._lost(offset)
+                    # Back to the cut, so asking again (Grain reads on past a `ShareUnreadable`)
+                    # meets the same cut, not records framed from garbage.
+                    self._records.offset = offset
+                    return self._ended()
+                self._records.offset = damage.next_offset
+                continue
+            self._framed += 1
             tokens, problem = parse_example(self._example, record, self._shard.vocab_size)
             if problem is None:
                 self._good += 1
                 return {"inputs": tokens[:-1], "targets": tokens[1:]}
             self._bad(offset, problem)
+
+    def _lost(self, offset: int) -> None:
+        """At the end of a whole read: the records dataset.json lists past those met are lost,
+        an error, or with `skip_corrupt` each listed as skipped."""
+        listed, path = self._shard.listed, self._shard.path
+        if not self._whole or listed is None or self._framed >= listed:
+            return
+        if not self._shard.skip_corrupt:
+            raise DataError(
+                _damaged(
+                    path,
+                    f"it ends at byte {offset} after {self._framed} of the {listed} "
+                    "records dataset.json lists",
+                )
+            )
+        for record in range(self._framed, listed):
+            self._shard.skips.add((path, "record", record), {"shard": path, "record": record})
 
     def _ended(self) -> ShareUnreadable:
         """Raise `StopIteration`; return `ShareUnreadable` instead where this shard
@@ -178,17 +214,91 @@ class _ShardIterator(grain.DatasetIterator):
         if not self._shard.skip_corrupt:
             raise DataError(
                 _damaged(path, f"{problem} at byte {offset}")
-                if problem in (UNPARSABLE, TRUNCATED)
+                if problem in (UNPARSABLE, TRUNCATED, CORRUPTED)
                 else wrong_example(path, f"the record at byte {offset}", problem)
             )
         self._shard.skips.add((path, offset), {"shard": path, "offset": offset})
 
     def get_state(self) -> dict[str, Any]:
-        return self._records.get_state()
+        return {"reader_offset": self._records.offset}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._records.set_state(state)
+        self._records.offset = state["reader_offset"]
         self._whole = state.get("reader_offset", 0) == 0
+        self._framed = 0
+
+
+class DamagedRecordError(Exception):
+    """A record `CheckedRecords` cannot return: `problem` says why, `next_offset` is where the
+    next record starts, None where the rest of the shard cannot be framed."""
+
+    def __init__(self, problem: str, next_offset: int | None):
+        super().__init__(problem)
+        self.problem, self.next_offset = problem, next_offset
+
+
+class CheckedRecords:
+    """A TFRecord shard's records, each checked against its CRC32C by TensorFlow's own reader
+    (Grain's checks none: a flipped byte was read as another token, in silence). `offset` is
+    where the next record starts, as `reader_offset` is in Grain's reader's state, so data
+    positions saved with either restore with the other."""
+
+    def __init__(self, path: str):
+        tf = tensorflow()
+        self.path, self.offset = path, 0
+        self._lost, self._failed = tf.errors.DataLossError, tf.errors.OpError
+        try:
+            # The reader behind tf.data's TFRecordDataset, with random access by byte offset;
+            # not exported under tf.*, so pinned by the tensorflow-cpu version range.
+            from tensorflow.python.lib.io.tf_record import tf_record_random_reader
+
+            self._reader = tf_record_random_reader(path)
+        except tf.errors.OpError as err:
+            raise OSError(err.message) from None
+        self._size = os.path.getsize(path)
+
+    def __iter__(self) -> CheckedRecords:
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            record, self.offset = self._reader.read(self.offset)
+        except IndexError:  # no whole header at `offset`: the end, or a cut inside a header
+            if self.offset >= self._size:
+                raise StopIteration from None
+            raise DamagedRecordError(TRUNCATED, None) from None
+        except self._lost:
+            raise DamagedRecordError(*self._diagnose()) from None
+        except self._failed as err:  # not a file, an I/O error: TensorFlow's own error types
+            raise OSError(err.message) from None
+        return record
+
+    def _diagnose(self) -> tuple[str, int | None]:
+        """Why the record at `offset` failed its check: a payload that fails its CRC (the next
+        record still starts where its header says), else a cut, or a length field that fails
+        its own CRC (nothing after it can be framed)."""
+        with open(self.path, "rb") as shard:
+            shard.seek(self.offset)
+            header = shard.read(12)
+        if len(header) < 12:
+            return TRUNCATED, None
+        length, length_crc = struct.unpack("<QI", header)
+        end = self.offset + 16 + length
+        if masked_crc32c(header[:8]) == length_crc and end <= self._size:
+            return CORRUPTED, end
+        return TRUNCATED, None
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's masked CRC-32C of `data`, bit by bit: it checks 8-byte length fields only,
+    and only of records that failed TensorFlow's own check."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 class EmptyShards:
@@ -241,11 +351,21 @@ def any_readable_record(paths: list[str], vocab_size: int) -> bool:
     example = tensorflow().train.Example
     for path in paths:
         try:
-            for record in grain.experimental.TFRecordIterDataset(path):
-                if parse_example(example, record, vocab_size)[1] is None:
-                    return True
-        except (OSError, ValueError, OverflowError, MemoryError):  # unopenable, or cut here
+            records = CheckedRecords(path)
+        except OSError:
             continue
+        while True:
+            try:
+                record = next(records)
+            except StopIteration:
+                break
+            except DamagedRecordError as damage:
+                if damage.next_offset is None:  # the rest cannot be framed
+                    break
+                records.offset = damage.next_offset
+                continue
+            if parse_example(example, record, vocab_size)[1] is None:
+                return True
     return False
 
 
@@ -261,6 +381,7 @@ def no_readable_record(paths: list[str]) -> str:
 
 UNPARSABLE = "unparsable tf.train.Example"
 TRUNCATED = "truncated record or garbled length"
+CORRUPTED = "record failing its CRC check"
 
 
 def parse_example(example: Any, record: bytes, vocab_size: int) -> tuple[np.ndarray, str | None]:
