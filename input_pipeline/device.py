@@ -241,5 +241,7 @@ class DeviceFeed:
     def __enter__(self) -> DeviceFeed:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            self.give_up()  # an abort (a second Ctrl-C): not held up by a read that is stuck
         self.close()

@@ -44,8 +44,8 @@ class StuckRead:
     """Batch `stuck_at` of a source: reading it sends the run a SIGTERM (the job's time runs out)
     and never returns, until the test ends (`release`) or a join waits for it (`waited`)."""
 
-    def __init__(self, stuck_at: int) -> None:
-        self.stuck_at = stuck_at
+    def __init__(self, stuck_at: int, signal_run: bool = True) -> None:
+        self.stuck_at, self.signal_run = stuck_at, signal_run
         self.thread: threading.Thread | None = None  # the feed thread stuck in the read
         self.waited: list[float | None] = []  # the timeouts of joins that waited for it
         self._released = threading.Event()
@@ -55,7 +55,8 @@ class StuckRead:
         while True:
             if seed == self.stuck_at:
                 self.thread = threading.current_thread()
-                os.kill(os.getpid(), signal.SIGTERM)
+                if self.signal_run:
+                    os.kill(os.getpid(), signal.SIGTERM)
                 self._released.wait()
                 return
             yield random_batch(seed)
@@ -82,7 +83,7 @@ def stuck(monkeypatch):
     monkeypatch.setattr(threading.Thread, "join", recording_join)
     outside = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stray one must not end pytest
     try:
-        yield lambda stuck_at: reads.append(StuckRead(stuck_at)) or reads[-1]
+        yield lambda *args: reads.append(StuckRead(*args)) or reads[-1]
     finally:
         signal.signal(signal.SIGTERM, outside)
         for read in reads:
@@ -120,6 +121,28 @@ def test_a_stop_between_eval_batches_does_not_wait_for_a_stuck_eval_read(stuck, 
     assert saved_steps(tmp_path) == [2]
     assert "stopped by SIGTERM at step 2" in capfd.readouterr().err
     assert read.waited == [], "closing the eval's feed waited for a read that never returns"
+
+
+def test_an_abort_does_not_wait_for_a_stuck_read(stuck, tmp_path, monkeypatch):
+    """A second Ctrl-C before the stop's save aborts (KeyboardInterrupt) wherever the loop is,
+    here in the save of step 2, while the feed's thread is stuck reading batch 4: the abort ends
+    the run without waiting for that read."""
+    from trainer.checkpoint import Checkpointer
+
+    read = stuck(4, False)
+    real_save = Checkpointer.save
+
+    def abort_once_the_read_is_stuck(self, step, *args):
+        if step == 0:  # the warm-up's throwaway save, before the first step
+            return real_save(self, step, *args)
+        while read.thread is None:  # batches 2 and 3 fill the slots steps 1 and 2 freed
+            time.sleep(0.01)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Checkpointer, "save", abort_once_the_read_is_stuck)
+    with pytest.raises(KeyboardInterrupt):
+        run(config(tmp_path, "eval.every=100", "checkpoint.every=2"), data=read.batches())
+    assert read.waited == [], "closing the feed waited for a read that never returns"
 
 
 # The CLI, with SECOND_SIGINT set to `save` or `wait`: the process sends itself a SIGINT as the loop
