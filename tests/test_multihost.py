@@ -22,18 +22,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY, compile_cache, tiny_run
+from conftest import TINY, compile_cache, documents, tiny_run
 from jax.experimental import multihost_utils
 
+from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.device import row_block_of
 from input_pipeline.errors import DataError
+from input_pipeline.prepare import prepare_dataset
 from input_pipeline.streams import StreamBatches
 from trainer.config import load_config
 from trainer.errors import ConfigError
+from trainer.observe.metrics import read_metrics
 from trainer.observe.watchdog import EXIT_STUCK
 from trainer.parallel.distributed import (
     ClusterSpec,
     check_same_config,
+    check_same_data,
     check_shared_workdir,
     cluster_from_env,
     not_joined,
@@ -82,8 +86,8 @@ def single_process_baseline(tmp_path_factory, repo_root: Path, corpus: Path) -> 
 
 
 def metrics_of(workdir: Path) -> list[dict]:
-    path = workdir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    path = workdir / "metrics.jsonl"  # read as it is written: its last line may be cut off
+    return read_metrics(path).rows if path.exists() else []
 
 
 def losses_of(workdir: Path) -> dict[int, float]:
@@ -1062,3 +1066,146 @@ def test_processes_holding_the_same_rows_feed_the_same_rows():
     assert row_block_of({0: (8, 16), 1: (0, 8), 2: (8, 16), 3: (0, 8)}, 2, 16) == (1, 2)
     with pytest.raises(DataError, match="do not tile its 16 rows evenly"):
         row_block_of({0: (0, 4), 1: (4, 16)}, 0, 16)
+
+
+# ----------------------------------------------------------------------------- one dataset
+
+
+def on_two_hosts(tmp_path: Path, repo_root: Path, copies: list[Path]) -> list[tuple[int, str]]:
+    """Exit status and stderr of `python -m trainer.main` on the tiny config as 2 processes, each
+    in its own folder whose `data` is `copies[i]`, all given the same relative `data.path=data`:
+    what two hosts' local copies of the dataset at one path look like."""
+    cmd = [sys.executable, "-m", "trainer.main", "--config", str(repo_root / "configs/tiny.yaml")]
+    cmd += ["data.path=data", f"run.workdir={tmp_path / 'run'}", "run.steps=2"]
+    hosts = [tmp_path / f"host{index}" for index in range(2)]
+    for host, copy in zip(hosts, copies, strict=True):
+        host.mkdir()
+        (host / "data").symlink_to(copy)
+    with reserved_port() as port:
+        env = cpu_env(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            PYTHONPATH=str(repo_root),
+        )
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=host,
+                env={**env, "JAX_PROCESS_ID": str(index)},
+                stdout=subprocess.DEVNULL,  # Gloo's lines
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for index, host in enumerate(hosts)
+        ]
+        try:
+            said = [proc.communicate(timeout=120)[1] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+    return [(proc.returncode, stderr) for proc, stderr in zip(procs, said, strict=True)]
+
+
+def test_processes_reading_different_copies_of_the_dataset_are_told_so(tmp_path, corpus, repo_root):
+    """One host's copy of the dataset holds another one (stale, or prepared with other
+    settings): both processes trained on, silently, each on its own data. Both now stop at
+    start-up with one line naming the two."""
+    other = prepare_dataset(documents(), tmp_path / "other", eval_fraction=0.2, progress=False)
+    prints = [load_dataset_info(path).fingerprint for path in (corpus, other)]
+    for status, stderr in on_two_hosts(tmp_path, repo_root, [corpus, other]):
+        assert status == 2, stderr[-3000:]
+        assert stderr.splitlines()[1:] == [
+            f"error: process 1 reads other data than process 0 at data.path=data (dataset "
+            f"fingerprint {prints[1]}; process 0's {prints[0]}); give every host the same "
+            "prepared dataset: copy it to each host again, or point data.path at storage every "
+            "host mounts (NFS, Lustre, ...)"
+        ], stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_copy_of_the_dataset_that_does_not_open_on_one_host_stops_every_process(
+    tmp_path, corpus, damaged, repo_root
+):
+    """A half-copied dataset on one host: that process said why in one line, then waited for
+    the others at exit (`JAX_SHUTDOWN_TIMEOUT_S`) while they waited for it in their first
+    collective, until both aborted with C++ stack traces. Now every process stops at once."""
+    copy, shard = damaged
+    (process_0, said_0), (process_1, said_1) = on_two_hosts(tmp_path, repo_root, [corpus, copy])
+    assert (process_0, process_1) == (2, 2), said_0[-3000:] + said_1[-3000:]
+    assert said_0.splitlines()[1:] == [
+        "error: process 1 could not open its data at data.path=data (its own log says why); "
+        "repair that host's copy, or point data.path at storage every host mounts (NFS, "
+        "Lustre, ...)"
+    ], said_0[-3000:]
+    assert said_1.splitlines()[1:] == [
+        f"error: shard data/{shard.name} does not match the checksum in data/dataset.json "
+        "(changed or damaged since prepare); restore it or re-run python -m "
+        "input_pipeline.prepare --overwrite (data.verify_checksums=false skips this)"
+    ], said_1[-3000:]
+
+
+AGREE_ON_DATA = """
+import os
+import sys
+from trainer.errors import ConfigError
+from trainer.parallel.distributed import check_same_data, cluster_from_env, initialize
+
+said = open(sys.argv[1], "w", buffering=1)  # stdout also carries Gloo's lines
+initialize(cluster_from_env())
+me = int(os.environ["JAX_PROCESS_ID"])
+check_same_data("a3fb9c61e7a204d6", "data.path", "data/web")
+print("the same dataset passes", file=said)
+check_same_data(None, "data.path", "data/web")
+print("each host's own batches pass", file=said)
+for mine in (["a3fb9c61e7a204d6", "1cbb79856a1fe4d5"], [None, "1cbb79856a1fe4d5"]):
+    try:
+        check_same_data(mine[me], "data.mixture", "data/web, data/code")
+    except ConfigError as err:
+        print(f"error: {err}", file=said)
+"""
+
+
+def test_a_callers_own_batches_are_not_compared_across_processes(tmp_path, repo_root):
+    """`trainer.run(config, data=...)` feeds each host's own rows, whose fingerprint names only
+    their type: they pass on every process, while a prepared dataset on some processes and a
+    caller's batches on others is refused like two datasets. Alone it is a no-op."""
+    assert check_same_data("a3fb9c61e7a204d6", "data.path", "data/web") is None
+    script, said = tmp_path / "agree.py", [tmp_path / f"said{i}.txt" for i in range(2)]
+    script.write_text(AGREE_ON_DATA)
+    with reserved_port() as port:
+        env = cpu_env(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            XLA_FLAGS="--xla_force_host_platform_device_count=1",
+            PYTHONPATH=str(repo_root),
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(said[i])],
+                cwd=repo_root,
+                env={**env, "JAX_PROCESS_ID": str(i)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        printed = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], printed
+    fix = (
+        "give every host the same prepared dataset: copy it to each host again, or point "
+        "data.mixture at storage every host mounts (NFS, Lustre, ...)"
+    )
+    assert [path.read_text().splitlines() for path in said] == [
+        [
+            "the same dataset passes",
+            "each host's own batches pass",
+            "error: process 1 reads other data than process 0 at data.mixture=data/web, "
+            "data/code (dataset fingerprint 1cbb79856a1fe4d5; process 0's a3fb9c61e7a204d6); "
+            + fix,
+            "error: process 1 reads other data than process 0 at data.mixture=data/web, "
+            "data/code (dataset fingerprint 1cbb79856a1fe4d5; process 0's none (batches passed "
+            "to trainer.run)); " + fix,
+        ]
+    ] * 2, printed

@@ -14,9 +14,10 @@ import jax
 from jax.sharding import Mesh
 
 from input_pipeline.device import row_feeders
+from input_pipeline.errors import DataError
 from input_pipeline.workers import wait_for_dropped_batches
 from trainer.checkpoint import Checkpointer, param_shapes
-from trainer.config import Config
+from trainer.config import Config, DataConfig
 from trainer.data import (
     DataSources,
     check_batch_layout,
@@ -36,7 +37,12 @@ from trainer.observe.flops import device_peak_tflops
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
-from trainer.parallel.distributed import check_same_config, check_shared_workdir
+from trainer.parallel.distributed import (
+    DATA_NOT_OPENED,
+    check_same_config,
+    check_same_data,
+    check_shared_workdir,
+)
 from trainer.parallel.pipeline import PipelineSpec
 from trainer.parallel.state import TrainState
 from trainer.program import TrainProgram, build_program
@@ -73,7 +79,7 @@ def run(
         check_same_config(config.to_dict())  # several processes: one config, one shared workdir
         check_shared_workdir(config.run.workdir)
         mesh, pipeline = sharding.make_mesh(config.mesh), pipeline_spec(config)
-        sources = open_data(config, mesh, pipeline, model, data, eval_data)
+        sources = open_same_data(config, mesh, pipeline, model, data, eval_data)
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
         spec, build = run_model(config, model, sources.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
@@ -145,6 +151,33 @@ def open_data(
         bound = config.data.resolved_max_docs_per_row
         sources = replace(sources, train=CheckedBatches(sources.train, bound))
     return sources
+
+
+def open_same_data(
+    config: Config,
+    mesh: Mesh,
+    pipeline: PipelineSpec | None,
+    model: Any,
+    data: Any,
+    eval_data: Any,
+) -> DataSources:
+    """`open_data`, checked to be the same prepared dataset on every process (a caller's batches
+    are each host's own rows); a process whose data does not open stops the others too."""
+    setting = data_setting(config.data)
+    try:
+        sources = open_data(config, mesh, pipeline, model, data, eval_data)
+    except (ConfigError, DataError, TrainingError):
+        check_same_data(DATA_NOT_OPENED, *setting)  # the others stop; this one says why
+        raise
+    check_same_data(sources.fingerprint if data is None else None, *setting)
+    return sources
+
+
+def data_setting(data: DataConfig) -> tuple[str, str]:
+    """The setting that names the run's prepared datasets, and its value, for a line to show."""
+    if data.mixture:
+        return "data.mixture", ", ".join(source.path for source in data.mixture)
+    return "data.path", data.path
 
 
 def make_workdir(config: Config) -> None:

@@ -13,7 +13,8 @@ still waiting for others at that time (JAX aborts, 5 s later, with a stack trace
 task"); Ctrl-C while they are awaited is one line too (exit 130). `check_same_config` and
 `check_shared_workdir`, for the CLI to call once joined, catch processes given different configs
 or a host-local `run.workdir` (either hangs the first checkpoint save, or trains silently
-different replicas).
+different replicas), and `check_same_data` a host-local copy of the dataset that differs from
+process 0's (it trains silently on other data) or does not open (the others wait for it).
 
 A dead peer never hangs the job: a process whose peers have not all joined within
 `JAX_INIT_TIMEOUT_S` (300) seconds ends (exit 2), and the runtime's own machinery aborts every
@@ -27,7 +28,6 @@ watchdog (`trainer/observe/watchdog.py`, `run.step_timeout_s`) ends every proces
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import math
@@ -42,7 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from trainer.errors import ConfigError, TrainingError
+import numpy as np
+
+from trainer.errors import ConfigError, TrainingError, say_now
 
 INIT_TIMEOUT_S = 300
 # Short enough that the survivors of a dead peer exit well within a minute; long enough that a
@@ -324,11 +326,7 @@ def _end_unjoined(line: str, status: int) -> NoReturn:
     """Write `line` and end the process now. Python's exit-time cleanup would shut down JAX's
     half-made runtime: its coordination service waits for the connect still in progress, then
     logs the failed registration, and that connect aborts the process if its time runs out."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a stream already closed
-            stream.flush()
-    with contextlib.suppress(OSError):
-        os.write(2, f"{line}\n".encode())  # stderr's descriptor
+    say_now(line)
     os._exit(status)
 
 
@@ -346,23 +344,28 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:4], "little", signed=True)
 
 
+def _gather(mine: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """Every process's `mine` (the same shape and dtype on each), one row per process, and the
+    first process whose row differs from process 0's (None: all agree): one small all-gather."""
+    from jax.experimental import multihost_utils
+
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    unlike = (p for p in range(1, len(everyone)) if not np.array_equal(everyone[p], everyone[0]))
+    return everyone, next(unlike, None)
+
+
 def check_same_config(config: Mapping[str, Any]) -> None:
     """Every process must train the same config: one given another `run.workdir` hangs in its
     first checkpoint save, and another learning rate silently trains different replicas. Call it
     after joining the cluster, with the resolved config as a nested dict; a no-op alone."""
     import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
         return
     names, values = zip(*_settings(config), strict=True)
-    mine = np.array([_digest(v) for v in values], np.int32)
-    everyone = np.asarray(multihost_utils.process_allgather(mine))
-    differing = [p for p in range(len(everyone)) if not np.array_equal(everyone[p], everyone[0])]
-    if not differing:
+    everyone, other = _gather(np.array([_digest(v) for v in values], np.int32))
+    if other is None:
         return
-    other = differing[0]
     keys = [n for n, a, b in zip(names, everyone[0], everyone[other], strict=True) if a != b]
     me = jax.process_index()
     here = ", ".join(f"{n}={v!r}" for n, v in zip(names, values, strict=True) if n in keys[:3])
@@ -370,6 +373,46 @@ def check_same_config(config: Mapping[str, Any]) -> None:
         f"process {other}'s config differs from process 0's in {', '.join(keys)} (process {me} "
         f"has {here}); give every process the same --config file and overrides"
     )
+
+
+# Room for a dataset fingerprint (`DatasetInfo.fingerprint`: 16 hex characters) in the all-gather.
+FINGERPRINT_BYTES = 64
+NO_FINGERPRINT = "none (batches passed to trainer.run)"
+DATA_NOT_OPENED = "!"  # what a process whose data did not open gives `check_same_data`
+
+
+def check_same_data(fingerprint: str | None, setting: str, value: str) -> None:
+    """Every process must read the same prepared dataset: a host-local copy that is stale or
+    prepared with other settings trains silently on other data, and a process whose copy does
+    not open (half-copied) leaves the others waiting in their first collective. `fingerprint`
+    is the run's data identity, None for a caller's own batches (each host's own rows: nothing
+    to compare but their kind), `DATA_NOT_OPENED` where the data raised an error, which this
+    process then raises itself; `setting`=`value` says where the data comes from, e.g.
+    `data.path`, `data/web`. Call it on every process once the data is open; a no-op alone."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    mine = (fingerprint or "").encode()[:FINGERPRINT_BYTES].ljust(FINGERPRINT_BYTES, b"\0")
+    everyone, other = _gather(np.frombuffer(mine, np.uint8))
+    if other is None or fingerprint == DATA_NOT_OPENED:
+        return
+    fingerprints = [_fingerprint_in(row) for row in everyone]
+    fix = f"or point {setting} at storage every host mounts (NFS, Lustre, ...)"
+    if DATA_NOT_OPENED in fingerprints:
+        raise ConfigError(
+            f"process {fingerprints.index(DATA_NOT_OPENED)} could not open its data at "
+            f"{setting}={value} (its own log says why); repair that host's copy, {fix}"
+        )
+    raise ConfigError(
+        f"process {other} reads other data than process 0 at {setting}={value} (dataset "
+        f"fingerprint {fingerprints[other]}; process 0's {fingerprints[0]}); give every host the "
+        f"same prepared dataset: copy it to each host again, {fix}"
+    )
+
+
+def _fingerprint_in(row: np.ndarray) -> str:
+    return row.tobytes().rstrip(b"\0").decode() or NO_FINGERPRINT
 
 
 def _sees(path: Path, wait_s: float) -> bool:
@@ -387,7 +430,6 @@ def check_shared_workdir(workdir: str | os.PathLike, wait_s: float = 10.0) -> No
     own part of a checkpoint and the first save hangs. Process 0 leaves a file there and every
     process looks for it; a no-op alone."""
     import jax
-    import numpy as np
     from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
