@@ -1209,3 +1209,53 @@ def test_a_callers_own_batches_are_not_compared_across_processes(tmp_path, repo_
             "to trainer.run)); " + fix,
         ]
     ] * 2, printed
+
+
+def test_a_process_that_stops_on_its_own_error_ends_at_once(tmp_path, corpus, repo_root):
+    """One host's copy of the eval split is damaged past its checksum check (data.verify_
+    checksums=false): that process's first eval read, after step 2, is one line, exit 2. It then
+    waited at exit for the other, which waited for it in the eval's collective (until the
+    watchdog's 15 minutes for an eval). Now it ends at once, so the other's collective fails
+    without it (JAX: another task died) and the first error stands alone in its log."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(corpus, copy)
+    shard = sorted(copy.glob("eval-*"))[0]
+    data = bytearray(shard.read_bytes())
+    for i in range(200, len(data) // 2):
+        data[i] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    cmd = [sys.executable, "-m", "trainer.main", "--config", str(repo_root / "configs/tiny.yaml")]
+    cmd += ["data.path=data", f"run.workdir={tmp_path / 'run'}", "run.steps=4"]
+    cmd += ["data.verify_checksums=false", "eval.every=2", "checkpoint.every=100"]
+    hosts = [tmp_path / f"host{index}" for index in range(2)]
+    for host, data_copy in zip(hosts, [corpus, copy], strict=True):
+        host.mkdir()
+        (host / "data").symlink_to(data_copy)
+    with reserved_port() as port:
+        env = cpu_env(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            PYTHONPATH=str(repo_root),
+        )
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=host,
+                env={**env, "JAX_PROCESS_ID": str(index)},
+                stdout=subprocess.DEVNULL,  # Gloo's lines
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for index, host in enumerate(hosts)
+        ]
+        try:
+            said_1 = procs[1].communicate(timeout=300)[1]
+            procs[0].communicate(timeout=300)
+        finally:
+            for proc in procs:
+                proc.kill()
+    assert procs[1].returncode == 2, said_1[-3000:]
+    error = said_1.splitlines()[-1]
+    assert error.startswith(f"error: shard data/{shard.name} is corrupt or truncated ("), error
+    assert procs[0].returncode != 0

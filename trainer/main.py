@@ -46,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(config)
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return USAGE_EXIT
+        return end_alone_if_joined(USAGE_EXIT)
     except RuntimeError as err:  # jax.errors.JaxRuntimeError, without importing jax here
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         print(f"error: {out_of_memory(err)}", file=sys.stderr)
-        return USAGE_EXIT
+        return end_alone_if_joined(USAGE_EXIT)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
         quiet_asyncio()
         print(
@@ -90,6 +90,19 @@ def train(config: Config) -> str:
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
     return summary
+
+
+def end_alone_if_joined(status: int) -> int:
+    """`status`; but a process of several that stops on its own error ends now, with it: at a
+    normal exit, JAX's shutdown waited for the others (JAX_SHUTDOWN_TIMEOUT_S, 300 s) while they
+    waited for it in their next collective, until both aborted with C++ stack traces. Ended, it
+    makes their next collective fail at once. The run's own files were closed on the way here."""
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return status
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
 
 
 def dump_stacks_on_sigusr1() -> None:
