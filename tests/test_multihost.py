@@ -1216,7 +1216,9 @@ def test_a_process_that_stops_on_its_own_error_ends_at_once(tmp_path, corpus, re
     checksums=false): that process's first eval read, after step 2, is one line, exit 2. It then
     waited at exit for the other, which waited for it in the eval's collective (until the
     watchdog's 15 minutes for an eval). Now it ends at once, so the other's collective fails
-    without it (JAX: another task died) and the first error stands alone in its log."""
+    without it (JAX: another task died, within the heartbeat timeout:
+    `test_killed_process_stops_its_peer_and_the_rerun_resumes`) and the first error stands alone
+    in its log."""
     copy = tmp_path / "damaged"
     shutil.copytree(corpus, copy)
     shard = sorted(copy.glob("eval-*"))[0]
@@ -1251,11 +1253,9 @@ def test_a_process_that_stops_on_its_own_error_ends_at_once(tmp_path, corpus, re
         ]
         try:
             said_1 = procs[1].communicate(timeout=300)[1]
-            procs[0].communicate(timeout=300)
         finally:
             for proc in procs:
                 proc.kill()
     assert procs[1].returncode == 2, said_1[-3000:]
     error = said_1.splitlines()[-1]
     assert error.startswith(f"error: shard data/{shard.name} is corrupt or truncated ("), error
-    assert procs[0].returncode != 0
