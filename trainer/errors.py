@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import NoReturn
 
 
 class ConfigError(ValueError):
@@ -41,8 +42,23 @@ def say_now(line: str) -> None:
     """Write `line` to stderr from a signal handler, or just before `os._exit`: straight to the
     file descriptor, as the handler may run in the middle of a print (what was printed before
     is flushed first)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a print that this handler interrupted
-            stream.flush()
+    _flush_prints()
     with contextlib.suppress(OSError):
         os.write(2, f"{line}\n".encode())  # stderr's descriptor
+
+
+def exit_now(status: int, line: str | None = None) -> NoReturn:
+    """End the process at once with `status`, after `line` (if any) and what was printed before:
+    where Python's exit-time cleanup would wait, in JAX's shutdown of a runtime that is half made
+    or shared with processes that will not come."""
+    if line is None:
+        _flush_prints()
+    else:
+        say_now(line)
+    os._exit(status)
+
+
+def _flush_prints() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a print that a signal handler interrupted
+            stream.flush()

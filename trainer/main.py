@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from input_pipeline.errors import DataError  # noqa: E402
 from trainer.config import Config, load_config  # noqa: E402
-from trainer.errors import ConfigError, TrainingError  # noqa: E402
+from trainer.errors import ConfigError, TrainingError, exit_now  # noqa: E402
 
 USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
@@ -100,9 +100,7 @@ def end_alone_if_joined(status: int) -> int:
     jax = sys.modules.get("jax")
     if jax is None or not jax.distributed.is_initialized():
         return status
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(status)
+    exit_now(status)
 
 
 def dump_stacks_on_sigusr1() -> None:

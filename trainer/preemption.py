@@ -25,12 +25,11 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn
 
 import jax
 from jax.experimental import multihost_utils
 
-from trainer.errors import say_now
+from trainer.errors import exit_now, say_now
 
 
 class StopRequest:
@@ -180,7 +179,7 @@ class OutsideLoop:
             return
         name = signal.Signals(signum).name
         if not self._single_process:
-            _end_before_joining(Stopped(name, self.loop_started, joining=self._cluster))
+            exit_now(0, Stopped(name, self.loop_started, joining=self._cluster).line())
         self._raised = Stopped(name, self.loop_started)
         raise self._raised
 
@@ -210,9 +209,3 @@ class OutsideLoop:
             self._installed = False
             if exc_type is None:
                 self.raise_swallowed()  # a stop swallowed while the run closed
-
-
-def _end_before_joining(stop: Stopped) -> NoReturn:
-    """Write the stop's line and end the process now (see `OutsideLoop`)."""
-    say_now(stop.line())
-    os._exit(0)

@@ -40,11 +40,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
-from trainer.errors import ConfigError, TrainingError, say_now
+from trainer.errors import ConfigError, TrainingError, exit_now
 
 INIT_TIMEOUT_S = 300
 # Short enough that the survivors of a dead peer exit well within a minute; long enough that a
@@ -237,11 +237,11 @@ def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> N
     knows_its_peers = spec.source in ("explicit", "slurm")
     try:
         finished = _on_a_thread(join, deadline if knows_its_peers else None)
-    except _InterruptedJoiningError:
-        _end_unjoined(
+    except _InterruptedJoiningError:  # at once: a normal exit waits in JAX's shutdown
+        exit_now(
+            INTERRUPTED_EXIT,
             f"interrupted without saving while joining {describe(spec)}; re-run the same "
             "command to start (or resume from the latest checkpoint)",
-            INTERRUPTED_EXIT,
         )
     except (RuntimeError, ValueError) as err:  # e.g. a detected cluster missing a value
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -256,8 +256,8 @@ def initialize(spec: ClusterSpec, joined: Callable[[], None] | None = None) -> N
             f"could not join {describe(spec)}: {first_line}; check the launcher's JAX_* or "
             "scheduler variables and that process 0's address and port are reachable"
         ) from None
-    if not finished:
-        _end_unjoined(f"error: {not_joined(spec)}", NOT_JOINED_EXIT)
+    if not finished:  # at once, before the connect still under way aborts the process
+        exit_now(NOT_JOINED_EXIT, f"error: {not_joined(spec)}")
 
 
 def not_joined(spec: ClusterSpec) -> str:
@@ -320,14 +320,6 @@ def _on_a_thread(join: Callable[[], None], deadline: float | None) -> bool:
 
 def _time_left(deadline: float | None) -> float:
     return math.inf if deadline is None else deadline - time.monotonic()
-
-
-def _end_unjoined(line: str, status: int) -> NoReturn:
-    """Write `line` and end the process now. Python's exit-time cleanup would shut down JAX's
-    half-made runtime: its coordination service waits for the connect still in progress, then
-    logs the failed registration, and that connect aborts the process if its time runs out."""
-    say_now(line)
-    os._exit(status)
 
 
 def _settings(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
