@@ -141,11 +141,16 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture
 def damaged(corpus, tmp_path):
     """A copy of the shared corpus with bytes of one train shard flipped."""
+    return flipped_copy(corpus, tmp_path / "damaged", "train-00000-*")
+
+
+def flipped_copy(dataset: Path, copy: Path, pattern: str) -> tuple[Path, Path]:
+    """A copy of `dataset` whose first shard matching `pattern` has the bytes of its first half
+    (past its header) flipped; the copy and that shard."""
     import shutil
 
-    copy = tmp_path / "damaged"
-    shutil.copytree(corpus, copy)
-    shard = sorted(copy.glob("train-00000-*"))[0]
+    shutil.copytree(dataset, copy)
+    shard = sorted(copy.glob(pattern))[0]
     data = bytearray(shard.read_bytes())
     for i in range(200, len(data) // 2):
         data[i] ^= 0x5A
@@ -193,6 +198,19 @@ def documents(n=60, seed=0):
     return [
         f"doc {i}\n" + " ".join(rng.choice(words, size=int(rng.integers(3, 400)))) for i in range(n)
     ]
+
+
+def records_in(batches) -> list[bytes]:
+    """Every record of packed `batches`, rebuilt from its rows' segments (one record never spans
+    rows), as bytes of its byte tokens."""
+    seen = []
+    for batch in batches:
+        for row, segments in enumerate(batch["segment_ids"]):
+            for s in range(1, segments.max() + 1):
+                inside = segments == s
+                tokens = [*batch["inputs"][row][inside], batch["targets"][row][inside][-1]]
+                seen.append(bytes(np.asarray(tokens, np.uint8)))
+    return seen
 
 
 def take(iterator, n):

@@ -14,7 +14,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import documents, tiny_cli
+from conftest import documents, records_in, tiny_cli
 
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
@@ -93,14 +93,7 @@ def records_of(info, reader="grain", skip_log=None) -> list[bytes]:
     it = make_batch_iterator(
         info, "train", seq_len=512, batch_size=2, packing="first_fit", reading=reading
     )
-    seen = []
-    for batch in it:
-        for row, segments in enumerate(batch["segment_ids"]):
-            for s in range(1, segments.max() + 1):
-                inside = segments == s
-                tokens = [*batch["inputs"][row][inside], batch["targets"][row][inside][-1]]
-                seen.append(bytes(np.asarray(tokens, np.uint8)))
-    return seen
+    return records_in(it)
 
 
 def test_a_flipped_byte_in_a_record_is_an_error_not_other_tokens(tfrecords, tmp_path):
@@ -173,6 +166,13 @@ def test_the_cli_says_one_line_and_exits_2(tfrecords, tmp_path, repo_root, damag
         "log.tensorboard=false",
         "log.progress=false",
     ]
+    last = last_line_of_a_refused_run(args, tmp_path, repo_root)
+    assert last.startswith(f"error: shard {shard}"), last
+
+
+def last_line_of_a_refused_run(args: list[str], tmp_path, repo_root) -> str:
+    """The CLI's last stderr line on the tiny config with `args`, which must end in exit 2
+    without a traceback."""
     proc = subprocess.run(
         tiny_cli(args, tmp_path / "run"),
         cwd=repo_root,
@@ -180,10 +180,9 @@ def test_the_cli_says_one_line_and_exits_2(tfrecords, tmp_path, repo_root, damag
         text=True,
         timeout=RUN_TIMEOUT_S,
     )
-    lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert lines[-1].startswith(f"error: shard {shard}"), lines[-1]
+    return proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -228,16 +227,8 @@ def test_the_cli_says_one_line_for_a_listing_past_the_shard(arrayrecords, tmp_pa
     shutil.copytree(arrayrecords, copy)
     listing(5)(copy)
     args = [f"data.path={copy}", "run.steps=2", "eval.every=100", "log.tensorboard=false"]
-    proc = subprocess.run(
-        tiny_cli(args, tmp_path / "run"),
-        cwd=repo_root,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: shard "), proc.stderr[-500:]
+    last = last_line_of_a_refused_run(args, tmp_path, repo_root)
+    assert last.startswith("error: shard "), last
 
 
 def test_a_split_whose_shards_do_not_add_up_is_refused_at_load(arrayrecords, tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY, compile_cache, documents, tiny_run
+from conftest import TINY, compile_cache, documents, flipped_copy, tiny_run
 from jax.experimental import multihost_utils
 
 from input_pipeline.dataset_info import load_dataset_info
@@ -1075,8 +1075,19 @@ def on_two_hosts(tmp_path: Path, repo_root: Path, copies: list[Path]) -> list[tu
     """Exit status and stderr of `python -m trainer.main` on the tiny config as 2 processes, each
     in its own folder whose `data` is `copies[i]`, all given the same relative `data.path=data`:
     what two hosts' local copies of the dataset at one path look like."""
+    with started_on_two_hosts(tmp_path, repo_root, copies, "run.steps=2") as procs:
+        said = [proc.communicate(timeout=120)[1] for proc in procs]
+    return [(proc.returncode, stderr) for proc, stderr in zip(procs, said, strict=True)]
+
+
+@contextlib.contextmanager
+def started_on_two_hosts(
+    tmp_path: Path, repo_root: Path, copies: list[Path], *args: str
+) -> Iterator[list[subprocess.Popen]]:
+    """The 2 processes of `on_two_hosts`, with `args`, started (stderr a pipe) and killed at the
+    end of the block."""
     cmd = [sys.executable, "-m", "trainer.main", "--config", str(repo_root / "configs/tiny.yaml")]
-    cmd += ["data.path=data", f"run.workdir={tmp_path / 'run'}", "run.steps=2"]
+    cmd += ["data.path=data", f"run.workdir={tmp_path / 'run'}", *args]
     hosts = [tmp_path / f"host{index}" for index in range(2)]
     for host, copy in zip(hosts, copies, strict=True):
         host.mkdir()
@@ -1100,11 +1111,10 @@ def on_two_hosts(tmp_path: Path, repo_root: Path, copies: list[Path]) -> list[tu
             for index, host in enumerate(hosts)
         ]
         try:
-            said = [proc.communicate(timeout=120)[1] for proc in procs]
+            yield procs
         finally:
             for proc in procs:
                 proc.kill()
-    return [(proc.returncode, stderr) for proc, stderr in zip(procs, said, strict=True)]
 
 
 def test_processes_reading_different_copies_of_the_dataset_are_told_so(tmp_path, corpus, repo_root):
@@ -1214,48 +1224,15 @@ def test_a_callers_own_batches_are_not_compared_across_processes(tmp_path, repo_
 def test_a_process_that_stops_on_its_own_error_ends_at_once(tmp_path, corpus, repo_root):
     """One host's copy of the eval split is damaged past its checksum check (data.verify_
     checksums=false): that process's first eval read, after step 2, is one line, exit 2. It then
-    waited at exit for the other, which waited for it in the eval's collective (until the
-    watchdog's 15 minutes for an eval). Now it ends at once, so the other's collective fails
+    waited at exit for the other, which waited for it in the eval's collective (neither had
+    ended after 300 s). Now it ends at once, so the other's collective fails
     without it (JAX: another task died, within the heartbeat timeout:
     `test_killed_process_stops_its_peer_and_the_rerun_resumes`) and the first error stands alone
     in its log."""
-    copy = tmp_path / "damaged"
-    shutil.copytree(corpus, copy)
-    shard = sorted(copy.glob("eval-*"))[0]
-    data = bytearray(shard.read_bytes())
-    for i in range(200, len(data) // 2):
-        data[i] ^= 0x5A
-    shard.write_bytes(bytes(data))
-    cmd = [sys.executable, "-m", "trainer.main", "--config", str(repo_root / "configs/tiny.yaml")]
-    cmd += ["data.path=data", f"run.workdir={tmp_path / 'run'}", "run.steps=4"]
-    cmd += ["data.verify_checksums=false", "eval.every=2", "checkpoint.every=100"]
-    hosts = [tmp_path / f"host{index}" for index in range(2)]
-    for host, data_copy in zip(hosts, [corpus, copy], strict=True):
-        host.mkdir()
-        (host / "data").symlink_to(data_copy)
-    with reserved_port() as port:
-        env = cpu_env(
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
-            PYTHONPATH=str(repo_root),
-        )
-        procs = [
-            subprocess.Popen(
-                cmd,
-                cwd=host,
-                env={**env, "JAX_PROCESS_ID": str(index)},
-                stdout=subprocess.DEVNULL,  # Gloo's lines
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for index, host in enumerate(hosts)
-        ]
-        try:
-            said_1 = procs[1].communicate(timeout=300)[1]
-        finally:
-            for proc in procs:
-                proc.kill()
+    copy, shard = flipped_copy(corpus, tmp_path / "damaged", "eval-*")
+    args = ["run.steps=4", "data.verify_checksums=false", "eval.every=2", "checkpoint.every=100"]
+    with started_on_two_hosts(tmp_path, repo_root, [corpus, copy], *args) as procs:
+        said_1 = procs[1].communicate(timeout=300)[1]
     assert procs[1].returncode == 2, said_1[-3000:]
     error = said_1.splitlines()[-1]
     assert error.startswith(f"error: shard data/{shard.name} is corrupt or truncated ("), error

@@ -5,9 +5,8 @@ import json
 import shutil
 from dataclasses import replace
 
-import numpy as np
 import pytest
-from conftest import documents, same, take
+from conftest import documents, records_in, same, take
 
 from input_pipeline import tfdata
 from input_pipeline.dataset_info import load_dataset_info
@@ -50,14 +49,7 @@ def records_read(info, reader="auto", shuffle=True, index=0, count=1):
             process_count=count,
         ),
     )
-    seen = []
-    for batch in it:
-        for row, segments in enumerate(batch["segment_ids"]):
-            for s in range(1, segments.max() + 1):
-                inside = segments == s
-                tokens = [*batch["inputs"][row][inside], batch["targets"][row][inside][-1]]
-                seen.append(bytes(np.asarray(tokens, np.uint8)))
-    return seen
+    return records_in(it)
 
 
 def test_prepare_writes_tfrecord_shards_with_the_same_counts(datasets):
