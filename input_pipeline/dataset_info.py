@@ -93,7 +93,8 @@ class DatasetInfo:
         return int(self.split(name)["tokens"])
 
 
-TOKEN_DTYPES = ("|u1", "<u2", "<u4")  # what `records.token_dtype` writes
+# What `records.token_dtype` writes, and how many token ids each can hold.
+TOKEN_DTYPES = {"|u1": 2**8, "<u2": 2**16, "<u4": 2**32}
 KINDS = {int: "whole number", str: "string", dict: "JSON object", list: "list"}
 
 
@@ -106,6 +107,13 @@ def check_fields(raw: Any, info_file: Path) -> None:
     _field(info_file, _field(info_file, raw, "tokenizer", dict), "kind", str, "tokenizer.")
     if _field(info_file, raw, "token_dtype", str) not in TOKEN_DTYPES:
         raise DataError(_bad_field(info_file, "token_dtype", raw["token_dtype"], "|u1, <u2 or <u4"))
+    ids = TOKEN_DTYPES[raw["token_dtype"]]
+    if ids < raw["vocab_size"]:  # prepare could not have stored the ids past it
+        raise DataError(
+            f"{info_file}: token_dtype {raw['token_dtype']} holds ids below {ids}, not the "
+            f"vocab_size of {raw['vocab_size']} (damaged, or edited since prepare); restore it "
+            "or re-run python -m input_pipeline.prepare --overwrite"
+        )
     if NULL_TEXTS in raw:  # optional: older datasets, and clean corpora, have none
         _field(info_file, raw, NULL_TEXTS, int)
     splits = _field(info_file, raw, "splits", dict)
@@ -120,12 +128,34 @@ def check_fields(raw: Any, info_file: Path) -> None:
             shard = _field(info_file, {i: shard}, i, dict, f"{where}shards")
             _field(info_file, shard, "file", str, f"{where}shards[{i}].")
             listed += _field(info_file, shard, "records", int, f"{where}shards[{i}].")
+            if "sha256" in shard:
+                _field(info_file, shard, "sha256", str, f"{where}shards[{i}].")
         if listed != split["records"]:  # else a reader meets fewer records than it counts on
             raise DataError(
                 f"{info_file}: {where}records is {split['records']} but its shards list "
                 f"{listed} (damaged, or not written by prepare); re-run python -m "
                 "input_pipeline.prepare --overwrite"
             )
+    check_every_checksum_listed(splits, info_file)
+
+
+def check_every_checksum_listed(splits: dict[str, Any], info_file: Path) -> None:
+    """A shard without a sha256 beside shards with one: prepare writes one for every shard, so
+    that shard's checksum was lost, and with it the check that it is unchanged. (A listing
+    without any sha256, written by hand for other data, has nothing to check.)"""
+    shards = [
+        (f"splits.{name}.shards[{i}]", shard)
+        for name, split in splits.items()
+        for i, shard in enumerate(split["shards"])
+    ]
+    without = [(where, shard["file"]) for where, shard in shards if not shard.get("sha256")]
+    if without and len(without) < len(shards):
+        where, file = without[0]
+        raise DataError(
+            f"{info_file}: {where} ({file}) has no sha256 while other shards have one (damaged, "
+            "or edited since prepare), so that shard cannot be checked; restore it or re-run "
+            "python -m input_pipeline.prepare --overwrite"
+        )
 
 
 def _field(info_file: Path, parent: dict, key: Any, kind: type, prefix: str = "") -> Any:

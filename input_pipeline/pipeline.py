@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import grain
 import numpy as np
 
-from input_pipeline.dataset_info import DatasetInfo
+from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixture_sources
 from input_pipeline.packing import ConcatPackIterDataset
@@ -60,7 +61,8 @@ class ReadRecords(grain.transforms.Map):
     `workers`-th read) bounds what one worker can reach (`worker_share`). With `epoch_shift` > 0
     the first record of every epoch starts a seeded `0..epoch_shift-1` pairs late (never past its
     last pair), so concat packing cuts new windows each epoch; a pure function of the read
-    number, so resuming re-reads the same shifted record."""
+    number, so resuming re-reads the same shifted record. `dtype` is the token_dtype `info_file`
+    lists, which a record that does not fit names."""
 
     def __init__(
         self,
@@ -76,9 +78,10 @@ class ReadRecords(grain.transforms.Map):
         epoch_shift: int = 0,
         name: str = "this split",
         workers: int = 0,
+        info_file: Path | str = INFO_FILE,
     ):
         self.source = source
-        self.decode = DecodeRecord(dtype)
+        self.decode = DecodeRecord(dtype, info_file)
         self.host_index, self.host_count = host_index, host_count
         self.host_records = len(range(host_index, len(source), host_count))
         self.shuffle, self.seed, self.per_read = shuffle, seed, per_read
@@ -240,6 +243,7 @@ def arrayrecord_pairs(
         epoch_shift=epoch_shift,
         name=f"{info.path} {split} split",
         workers=reading.workers,
+        info_file=info.path / INFO_FILE,
     )
     if reads.host_records == 0 and reading.num_epochs is None:  # a finite pass may be empty
         raise DataError(
@@ -265,9 +269,9 @@ def tfrecord_pairs(info: DatasetInfo, split: str, reading: Reading) -> grain.Ite
     paths = host_shards(info, split, reading.process_index, reading.process_count, finite)
     if not paths:
         return grain.MapDataset.range(0).to_iter_dataset()
-    if reading.reader == "tfdata":
-        return tfdata_records(paths, reading, info.vocab_size)
     listed = {str(info.path / s["file"]): s["records"] for s in info.split(split)["shards"]}
+    if reading.reader == "tfdata":
+        return tfdata_records(paths, [listed[p] for p in paths], reading, info.vocab_size)
     return grain_records(paths, info.vocab_size, reading, listed)
 
 

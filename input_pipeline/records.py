@@ -94,19 +94,27 @@ class ShardSet:
 class DecodeRecord(grain.transforms.Map):
     """Record bytes -> aligned next-token pairs, so packing never pairs tokens across documents.
     The pairs are views of the stored tokens (uint8, uint16 or uint32), not int32 copies: packing
-    widens them as it copies them into the batch, so each token is copied once."""
+    widens them as it copies them into the batch, so each token is copied once. `info_file`:
+    the dataset.json whose `token_dtype` is `dtype`."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, info_file: Path | str = INFO_FILE):
         self.dtype = np.dtype(dtype)
+        self.info_file = info_file
 
     def map(self, record: bytes) -> dict[str, np.ndarray]:
         if len(record) % self.dtype.itemsize:
-            raise DataError(
-                f"a record of {len(record)} bytes is not a whole number of {self.dtype} tokens; "
-                "the shard is corrupt: re-run python -m input_pipeline.prepare"
-            )
+            raise DataError(self._not_whole_tokens(len(record)))
         tokens = np.frombuffer(record, dtype=self.dtype)
         return {"inputs": tokens[:-1], "targets": tokens[1:]}
+
+    def _not_whole_tokens(self, size: int) -> str:
+        """ArrayRecord checks each record's bytes, so the token_dtype listed is the likely fault."""
+        return (
+            f"a record of {size} bytes is not a whole number of {self.dtype} tokens, the "
+            f"token_dtype {self.info_file} lists ({self.dtype.str}): that token_dtype was edited "
+            "since prepare, or a shard is damaged; restore that dataset.json or re-run python -m "
+            "input_pipeline.prepare --overwrite"
+        )
 
 
 class CheckedSource:

@@ -31,6 +31,7 @@ from input_pipeline.reading import Reading
 from input_pipeline.tfrecords import (
     FEATURE,
     SHUFFLE_RECORDS,
+    more_than_listed,
     parse_example,
     tensorflow,
     wrong_example,
@@ -40,17 +41,26 @@ PARSE_BATCH = 256  # serialized records per vectorized parse_example call
 ANCHOR_COST_RATIO = 50  # seconds between anchors / seconds one anchor costs
 
 
-def make_tf_dataset(paths: list[str], *, shuffle: bool, seed: int, num_epochs: int | None):
-    """Batches of parsed records: `(values, row_splits)` of the int32 token rows."""
+def make_tf_dataset(
+    paths: list[str], listed: list[int], *, shuffle: bool, seed: int, num_epochs: int | None
+):
+    """Batches of parsed records: `(values, row_splits)` of the int32 token rows. A shard
+    holding other than its `listed` records (dataset.json's count) fails its read with a
+    `FailedPreconditionError`: one cut between two records, or with records added, is no
+    shorter or longer shard."""
     tf = tensorflow()
     autotune = tf.data.AUTOTUNE
-    files = tf.data.Dataset.from_tensor_slices(paths)
+    files = tf.data.Dataset.from_tensor_slices((paths, tf.constant(listed, tf.int64)))
     if shuffle:  # a new, seeded file order every epoch
         files = files.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
     files = files.repeat(num_epochs)
+
+    def listed_records(path, count):
+        return tf.data.TFRecordDataset(path).apply(tf.data.experimental.assert_cardinality(count))
+
     # Unshuffled, shards are read one after another: the order the other readers give.
     records = files.interleave(
-        tf.data.TFRecordDataset,
+        listed_records,
         cycle_length=min(4, len(paths)) if shuffle else 1,
         num_parallel_calls=autotune,
         deterministic=True,
@@ -67,9 +77,12 @@ def make_tf_dataset(paths: list[str], *, shuffle: bool, seed: int, num_epochs: i
     return batches.prefetch(autotune)
 
 
-def tfdata_records(paths: list[str], reading: Reading, vocab_size: int) -> TfDataRecords:
-    """This reader's TFRecord shards `paths` through tf.data (`data.reader=tfdata`), token ids
-    checked against `vocab_size`."""
+def tfdata_records(
+    paths: list[str], listed: list[int], reading: Reading, vocab_size: int
+) -> TfDataRecords:
+    """This reader's TFRecord shards `paths` through tf.data (`data.reader=tfdata`), each
+    holding its `listed` records (dataset.json's counts), token ids checked against
+    `vocab_size`."""
     if reading.skip_corrupt:
         raise DataError(
             "data.skip_corrupt=true is not supported by data.reader=tfdata (tf.data cannot "
@@ -85,6 +98,7 @@ def tfdata_records(paths: list[str], reading: Reading, vocab_size: int) -> TfDat
             raise DataError(_damaged(path, "0 bytes, where dataset.json lists its records"))
     return TfDataRecords(
         paths,
+        listed,
         vocab_size=vocab_size,
         shuffle=reading.shuffle,
         seed=reading.seed,
@@ -99,6 +113,7 @@ class TfDataRecords(grain.IterDataset):
     def __init__(
         self,
         paths: list[str],
+        listed: list[int],
         *,
         vocab_size: int,
         shuffle: bool,
@@ -106,7 +121,7 @@ class TfDataRecords(grain.IterDataset):
         num_epochs: int | None,
     ):
         super().__init__()
-        self.paths, self.vocab_size = paths, vocab_size
+        self.paths, self.listed, self.vocab_size = paths, listed, vocab_size
         self.options = {"shuffle": shuffle, "seed": seed, "num_epochs": num_epochs}
 
     def __iter__(self) -> grain.DatasetIterator:
@@ -120,9 +135,10 @@ class _TfDataIterator(grain.DatasetIterator):
     def __init__(self, source: TfDataRecords):
         super().__init__()
         self._tf = tensorflow()
-        self._paths, self._vocab_size = source.paths, source.vocab_size
+        self._paths, self._listed = source.paths, source.listed
+        self._vocab_size = source.vocab_size
         self._empty_rows_checked = False  # empty rows: empty int64 lists, or no `tokens` feature
-        self._iterator = iter(make_tf_dataset(source.paths, **source.options))
+        self._iterator = iter(make_tf_dataset(source.paths, source.listed, **source.options))
         self._pending: collections.deque = collections.deque()  # records of the parsed batch
         self._anchor = ""
         self._since_anchor = 0
@@ -141,7 +157,11 @@ class _TfDataIterator(grain.DatasetIterator):
     def _next_batch(self) -> list[dict[str, np.ndarray]]:
         try:
             values, splits = next(self._iterator)
-        except (self._tf.errors.DataLossError, self._tf.errors.InvalidArgumentError) as err:
+        except (
+            self._tf.errors.DataLossError,  # a record failing its CRC, or cut
+            self._tf.errors.InvalidArgumentError,  # a record not one of ours
+            self._tf.errors.FailedPreconditionError,  # other records than listed; not a file
+        ) as err:
             raise DataError(self._diagnose(err)) from None
         values, splits = values.numpy(), splits.numpy()
         self._check(values, splits)
@@ -203,15 +223,31 @@ class _TfDataIterator(grain.DatasetIterator):
 
     def _diagnose(self, err: Exception) -> str:
         """tf.data names no file in its errors: re-read each shard alone to find the bad one."""
-        for path in self._paths:
+        errors = self._tf.errors
+        for path, listed in zip(self._paths, self._listed, strict=True):
             try:
-                for _ in make_tf_dataset([path], shuffle=False, seed=0, num_epochs=1):
+                for _ in make_tf_dataset([path], [listed], shuffle=False, seed=0, num_epochs=1):
                     pass
-            except self._tf.errors.InvalidArgumentError as bad:  # a feature of another type
+            except errors.InvalidArgumentError as bad:  # a feature of another type
                 return self._wrong_example() or _damaged(path, _reason(bad))
-            except self._tf.errors.DataLossError as bad:
+            except errors.DataLossError as bad:
                 return _damaged(path, _reason(bad))
+            except errors.FailedPreconditionError as bad:
+                return self._not_as_listed(path, listed) or _damaged(path, _reason(bad))
         return _damaged(f"of {', '.join(self._paths)}", _reason(err))
+
+    def _not_as_listed(self, path: str, listed: int) -> str | None:
+        """Why shard `path` failed its count check: fewer records than the `listed` ones (a cut
+        between two records) or more; None where it cannot be read to count."""
+        try:
+            found = sum(1 for _ in self._tf.data.TFRecordDataset(path))
+        except self._tf.errors.OpError:  # not a file, say
+            return None
+        if found == listed:
+            return None
+        if found > listed:
+            return more_than_listed(path, listed)
+        return _damaged(path, f"it ends after {found} of the {listed} records dataset.json lists")
 
 
 def _reason(err: Exception) -> str:

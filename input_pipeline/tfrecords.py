@@ -17,13 +17,14 @@ import contextlib
 import functools
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grain
 import numpy as np
 
-from input_pipeline.dataset_info import DatasetInfo
+from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.reading import Reading
 from input_pipeline.records import Codec, SkipLog
@@ -84,7 +85,9 @@ def grain_records(
     files = grain.MapDataset.source(paths)
     if reading.shuffle:
         files = files.shuffle(seed=reading.seed)  # a new file order every epoch
-    empty = EmptyShards(paths, in_order=not reading.shuffle, workers=reading.workers)
+    empty = EmptyShards(
+        paths, in_order=not reading.shuffle, workers=reading.workers, reader=reader_name(reading)
+    )
     skips = SkipLog(reading.skip_log)  # shared by this reader's shards of every epoch
     listed = listed or {}
 
@@ -115,7 +118,8 @@ class TFRecordShard(grain.IterDataset):
     reader neither checks a record's CRC, names a damaged file nor skips damaged records: damage
     becomes a `DataError` naming the file, or with `skip_corrupt` a logged skip. A shard read
     whole that ends before the `listed` records (dataset.json's count) lost the rest: damage too
-    (a zero-length shard, or one cut between two records, reads as a shorter shard)."""
+    (a zero-length shard, or one cut between two records, reads as a shorter shard); one that
+    holds more is not the shard dataset.json lists."""
 
     def __init__(
         self,
@@ -153,34 +157,37 @@ class _ShardIterator(grain.DatasetIterator):
             self._records = CheckedRecords(shard.path)
         except OSError as err:
             raise DataError(_damaged(shard.path, err.strerror or str(err))) from None
+        self._framing = framed(self._records)
 
     def __next__(self) -> dict[str, np.ndarray] | ShareUnreadable:
-        while True:
-            offset = self._records.offset
-            try:
-                record = next(self._records)
-            except StopIteration:
-                self._lost(offset)
-                return self._ended()
-            except OSError as err:
-                raise DataError(_damaged(self._shard.path, str(err))) from None
-            except DamagedRecordError as damage:
-                self._bad(offset, damage.problem)
-                self._framed += 1
-                if damage.next_offset is None:  # the rest cannot be framed
-                    self._lost(offset)
-                    # Back to the cut, so asking again (Grain reads on past a `ShareUnreadable`)
-                    # meets the same cut, not records framed from garbage.
-                    self._records.offset = offset
-                    return self._ended()
-                self._records.offset = damage.next_offset
+        while (met := self._next_framed()) is not None:
+            offset, record = met
+            self._count_framed()
+            if isinstance(record, DamagedRecordError):
+                self._bad(offset, record.problem)
                 continue
-            self._framed += 1
             tokens, problem = parse_example(self._example, record, self._shard.vocab_size)
             if problem is None:
                 self._good += 1
                 return {"inputs": tokens[:-1], "targets": tokens[1:]}
             self._bad(offset, problem)
+        self._lost(self._records.offset)
+        return self._ended()
+
+    def _next_framed(self) -> tuple[int, bytes | DamagedRecordError] | None:
+        """The next record met and its offset, None at the end (`framed`)."""
+        try:
+            return next(self._framing, None)
+        except OSError as err:
+            raise DataError(_damaged(self._shard.path, str(err))) from None
+
+    def _count_framed(self) -> None:
+        """One more record met; in a whole read, one past the records dataset.json lists means
+        the shard is not the one listed."""
+        self._framed += 1
+        listed = self._shard.listed
+        if self._whole and listed is not None and self._framed > listed:
+            raise DataError(more_than_listed(self._shard.path, listed))
 
     def _lost(self, offset: int) -> None:
         """At the end of a whole read: the records dataset.json lists past those met are lost,
@@ -224,8 +231,30 @@ class _ShardIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._records.offset = state["reader_offset"]
+        self._framing = framed(self._records)
         self._whole = state.get("reader_offset", 0) == 0
         self._framed = 0
+
+
+def framed(records: CheckedRecords) -> Iterator[tuple[int, bytes | DamagedRecordError]]:
+    """`records` from their `offset` on, each with the offset it starts at: its bytes, or the
+    damage that keeps it from being read (a record failing its CRC is stepped over). Ends at the
+    shard's end, or at damage past which nothing can be framed, `offset` left at it: a read
+    resumed there meets the same damage, not records framed from garbage."""
+    while True:
+        offset = records.offset
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except DamagedRecordError as damage:
+            if damage.next_offset is not None:
+                records.offset = damage.next_offset
+            yield offset, damage
+            if damage.next_offset is None:
+                return
+            continue
+        yield offset, record
 
 
 class DamagedRecordError(Exception):
@@ -311,10 +340,14 @@ class EmptyShards:
     its `share`. Once every shard of a share is found empty, the other shards are checked once:
     if one holds a readable record the worker ends its reads (another worker reads that shard),
     otherwise nothing is readable and that is a `DataError`. Shuffled, a new order every epoch
-    brings every shard to every worker: the share is all of them."""
+    brings every shard to every worker: the share is all of them. `reader` names the reader in
+    that error (`reader_name`)."""
 
-    def __init__(self, paths: list[str], in_order: bool, workers: int = 0):
+    def __init__(
+        self, paths: list[str], in_order: bool, workers: int = 0, reader: str = "this reader"
+    ):
         self.paths = list(paths)  # in the order the reader cycles through them
+        self.reader = reader
         # How many of the shards one Grain worker reads: ArrayRecord's rule, one shard per read.
         self.share = worker_share(len(self.paths), 1, workers, shuffle=not in_order)
         self.stride = len(self.paths) // self.share  # a worker's shards are this far apart
@@ -341,7 +374,7 @@ class EmptyShards:
             return False
         others = [p for p in self.paths if p not in share]
         if not others or not any_readable(others):
-            raise DataError(no_readable_record(self.paths))
+            raise DataError(no_readable_record(self.paths, self.reader))
         self.share_unreadable = True
         return True
 
@@ -350,29 +383,24 @@ def any_readable_record(paths: list[str], vocab_size: int) -> bool:
     """Whether any TFRecord shard of `paths` holds one of our records, read up to the first."""
     example = tensorflow().train.Example
     for path in paths:
-        try:
-            records = CheckedRecords(path)
-        except OSError:
-            continue
-        while True:
-            try:
-                record = next(records)
-            except StopIteration:
-                break
-            except DamagedRecordError as damage:
-                if damage.next_offset is None:  # the rest cannot be framed
-                    break
-                records.offset = damage.next_offset
-                continue
-            if parse_example(example, record, vocab_size)[1] is None:
+        with contextlib.suppress(OSError):  # a shard that cannot be read holds none
+            records = (r for _, r in framed(CheckedRecords(path)) if isinstance(r, bytes))
+            if any(parse_example(example, r, vocab_size)[1] is None for r in records):
                 return True
     return False
 
 
-def no_readable_record(paths: list[str]) -> str:
+def reader_name(reading: Reading) -> str:
+    """Which reader a line means: the data stream, where `data.streams` (or hosts) make several."""
+    if reading.process_count == 1:
+        return "this reader"
+    return f"data stream {reading.process_index} of {reading.process_count}"
+
+
+def no_readable_record(paths: list[str], reader: str) -> str:
     """A reader with nothing left to read: every record of its shards was skipped or absent."""
     return (
-        f"the {len(paths)} TFRecord shard(s) this reader reads hold no readable record "
+        f"the {len(paths)} TFRecord shard(s) {reader} reads hold no readable record "
         f"(first {paths[0]}): each is empty, or data.skip_corrupt=true skipped every record, "
         "so there is nothing to read; restore those shards or re-run python -m "
         "input_pipeline.prepare --format tfrecord --overwrite"
@@ -400,6 +428,15 @@ def parse_example(example: Any, record: bytes, vocab_size: int) -> tuple[np.ndar
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
         return tokens, f"holds token ids outside the vocabulary of {vocab_size}"
     return tokens.astype(np.int32), None
+
+
+def more_than_listed(path: str, listed: int) -> str:
+    """A shard holding records past those dataset.json lists: not the shard it lists."""
+    return (
+        f"shard {path} holds more than the {listed} records {Path(path).parent / INFO_FILE} "
+        "lists (the two do not belong together); restore them or re-run python -m "
+        "input_pipeline.prepare --format tfrecord --overwrite"
+    )
 
 
 def wrong_example(path: str, where: str, problem: str) -> str:

@@ -81,6 +81,25 @@ def cut_after(records: int):
     return damage
 
 
+def append_records(records: int):
+    """Append a copy of the shard's first `records` records: it holds more than listed."""
+
+    def damage(shard):
+        offset, _ = record_spans(shard)[records]
+        data = shard.read_bytes()
+        shard.write_bytes(data + data[:offset])
+
+    return damage
+
+
+def every_record_flipped(shard):
+    """Flip a payload byte of every record: none passes its CRC check, the framing holds."""
+    data = bytearray(shard.read_bytes())
+    for offset, length in record_spans(shard):
+        data[offset + 12 + length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
 def records_of(info, reader="grain", skip_log=None) -> list[bytes]:
     """Every record of one unshuffled pass over the train split, rebuilt from packed rows."""
     reading = Reading(
@@ -117,16 +136,26 @@ def test_skip_corrupt_skips_and_counts_a_record_with_a_flipped_byte(tfrecords, t
 
 @pytest.mark.parametrize(
     ("damage", "reader"),
-    # tf.data names no shard per record: of these, it finds only an empty shard (at start)
-    [(empty, "grain"), (cut_after(2), "grain"), (empty, "tfdata")],
-    ids=["empty-grain", "cut-grain", "empty-tfdata"],
+    [(empty, "grain"), (cut_after(2), "grain"), (empty, "tfdata"), (cut_after(2), "tfdata")],
+    ids=["empty-grain", "cut-grain", "empty-tfdata", "cut-tfdata"],
 )
 def test_a_shard_that_lost_whole_records_is_an_error(tfrecords, tmp_path, damage, reader):
     """Before: a zero-length shard (a failed copy), or one cut between two records, was read as
-    a shorter one: its records were left out of training without a word."""
+    a shorter one: its records were left out of training without a word (with tf.data, the cut
+    one until this session)."""
     info, shard = damaged_copy(tfrecords, tmp_path, damage)
     with pytest.raises(DataError, match=rf"shard .*{shard.name} .*records.*--overwrite"):
         records_of(info, reader)
+
+
+@pytest.mark.parametrize(("reader", "skip"), [("grain", False), ("grain", True), ("tfdata", False)])
+def test_a_shard_holding_more_records_than_listed_is_an_error(tfrecords, tmp_path, reader, skip):
+    """Before: both readers read such a shard in full, records dataset.json does not list among
+    them (ArrayRecord refuses the same mismatch at open, data.skip_corrupt or not)."""
+    info, shard = damaged_copy(tfrecords, tmp_path, append_records(3))
+    said = rf"shard .*{shard.name} holds more than the \d+ records .*dataset.json lists.*--over"
+    with pytest.raises(DataError, match=said):
+        records_of(info, reader, tmp_path / "skipped.jsonl" if skip else None)
 
 
 def test_skip_corrupt_counts_every_record_a_damaged_shard_lost(tfrecords, tmp_path):
@@ -147,17 +176,10 @@ def test_skip_corrupt_counts_every_record_a_damaged_shard_lost(tfrecords, tmp_pa
     assert len(read) == info.num_records("train") - (listed - 2)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("damage", "reader"),
-    [(flip_payload_byte(0), "grain"), (empty, "tfdata")],
-    ids=["flipped-grain", "empty-tfdata"],
-)
-def test_the_cli_says_one_line_and_exits_2(tfrecords, tmp_path, repo_root, damage, reader):
-    info, shard = damaged_copy(tfrecords, tmp_path, damage)
-    args = [
-        f"data.path={info.path}",
-        f"data.reader={reader}",
+def cli_args(path, *more: str) -> list[str]:
+    """A 2-step run of the dataset at `path`, unshuffled, without its checksum check."""
+    return [
+        f"data.path={path}",
         "data.verify_checksums=false",
         "data.shuffle=false",
         "run.steps=2",
@@ -165,9 +187,37 @@ def test_the_cli_says_one_line_and_exits_2(tfrecords, tmp_path, repo_root, damag
         "checkpoint.every=100",
         "log.tensorboard=false",
         "log.progress=false",
+        *more,
     ]
-    last = last_line_of_a_refused_run(args, tmp_path, repo_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "reader"),
+    [
+        (flip_payload_byte(0), "grain"),
+        (empty, "tfdata"),
+        (cut_after(2), "tfdata"),
+        (append_records(3), "tfdata"),
+    ],
+    ids=["flipped-grain", "empty-tfdata", "cut-tfdata", "more-tfdata"],
+)
+def test_the_cli_says_one_line_and_exits_2(tfrecords, tmp_path, repo_root, damage, reader):
+    info, shard = damaged_copy(tfrecords, tmp_path, damage)
+    last = last_line_of_a_refused_run(
+        cli_args(info.path, f"data.reader={reader}"), tmp_path, repo_root
+    )
     assert last.startswith(f"error: shard {shard}"), last
+
+
+@pytest.mark.slow
+def test_the_cli_names_the_data_stream_with_no_readable_record(tfrecords, tmp_path, repo_root):
+    """Two data streams, one TFRecord shard each: the first's every record fails its CRC."""
+    info, shard = damaged_copy(tfrecords, tmp_path, every_record_flipped)
+    args = cli_args(info.path, "data.streams=2", "data.skip_corrupt=true")
+    last = last_line_of_a_refused_run(args, tmp_path, repo_root)
+    said = "error: the 1 TFRecord shard(s) data stream 0 of 2 reads hold no readable record "
+    assert last.startswith(f"{said}(first {shard})"), last
 
 
 def last_line_of_a_refused_run(args: list[str], tmp_path, repo_root) -> str:
@@ -193,17 +243,36 @@ def arrayrecords(tmp_path_factory):
     return prepare_dataset(documents(), out, **kw)
 
 
-def listing(change: int):
-    """A copy whose dataset.json lists `change` more records for train shard 0 (and its split)
-    than the shard holds; the shard itself is untouched, so its checksum still matches."""
+def edited_copy(dataset, tmp_path, edit):
+    """A copy of `dataset` whose dataset.json `edit` changes (in its parsed JSON); the shards
+    are untouched, so their checksums still match."""
+    copy = tmp_path / "edited"
+    shutil.copytree(dataset, copy)
+    info = json.loads((copy / "dataset.json").read_text())
+    edit(info)
+    (copy / "dataset.json").write_text(json.dumps(info))
+    return copy
 
-    def damage(copy):
-        info = json.loads((copy / "dataset.json").read_text())
+
+def listing(change: int):
+    """List `change` more records for train shard 0 (and its split) than the shard holds."""
+
+    def edit(info):
         info["splits"]["train"]["shards"][0]["records"] += change
         info["splits"]["train"]["records"] += change
-        (copy / "dataset.json").write_text(json.dumps(info))
 
-    return damage
+    return edit
+
+
+def without_a_checksum(info):
+    del info["splits"]["train"]["shards"][0]["sha256"]
+
+
+def token_dtype(dtype: str):
+    def edit(info):
+        info["token_dtype"] = dtype
+
+    return edit
 
 
 @pytest.mark.parametrize("change", [5, -5], ids=["more", "fewer"])
@@ -211,10 +280,7 @@ def test_a_shard_holding_other_records_than_listed_is_one_line(arrayrecords, tmp
     """Before: 5 more listed was a ValueError traceback from inside array_record once a read
     reached past the shard's end (with data.skip_corrupt too); 5 fewer left 5 records unread
     without a word."""
-    copy = tmp_path / "listed"
-    shutil.copytree(arrayrecords, copy)
-    listing(change)(copy)
-    info = load_dataset_info(copy)
+    info = load_dataset_info(edited_copy(arrayrecords, tmp_path, listing(change)))
     said = r"shard .*train-00000-.* holds \d+ records but .*dataset.json lists \d+.*--overwrite"
     for skip in (False, True):
         with pytest.raises(DataError, match=said):
@@ -222,25 +288,73 @@ def test_a_shard_holding_other_records_than_listed_is_one_line(arrayrecords, tmp
 
 
 @pytest.mark.slow
-def test_the_cli_says_one_line_for_a_listing_past_the_shard(arrayrecords, tmp_path, repo_root):
-    copy = tmp_path / "listed"
-    shutil.copytree(arrayrecords, copy)
-    listing(5)(copy)
+@pytest.mark.parametrize(
+    "edit",
+    [listing(5), without_a_checksum, token_dtype("<u2")],
+    ids=["listing-past-the-shard", "no-sha256", "token-dtype"],
+)
+def test_the_cli_names_the_dataset_json_an_edit_damaged(arrayrecords, tmp_path, repo_root, edit):
+    copy = edited_copy(arrayrecords, tmp_path, edit)
     args = [f"data.path={copy}", "run.steps=2", "eval.every=100", "log.tensorboard=false"]
     last = last_line_of_a_refused_run(args, tmp_path, repo_root)
-    assert last.startswith("error: shard "), last
+    assert f"{copy / 'dataset.json'}" in last and last.endswith("--overwrite"), last
 
 
 def test_a_split_whose_shards_do_not_add_up_is_refused_at_load(arrayrecords, tmp_path):
     """Before: an eval split listing no shards for its 6 records loaded, trained, and stopped at
     its first eval with "the eval data yields no batch"."""
-    copy = tmp_path / "unlisted"
-    shutil.copytree(arrayrecords, copy)
-    info = json.loads((copy / "dataset.json").read_text())
-    info["splits"]["eval"]["shards"] = []
-    (copy / "dataset.json").write_text(json.dumps(info))
+
+    def unlisted(info):
+        info["splits"]["eval"]["shards"] = []
+
+    copy = edited_copy(arrayrecords, tmp_path, unlisted)
     said = r"dataset.json: splits.eval.records is \d+ but its shards list 0 .*--overwrite"
     with pytest.raises(DataError, match=said):
+        load_dataset_info(copy)
+
+
+def test_a_shard_listed_without_its_checksum_is_refused_at_load(arrayrecords, tmp_path):
+    """Before: the other shards were checked and that one skipped, without a word: a changed
+    shard behind a listing that lost its sha256 was read as if checked."""
+    copy = edited_copy(arrayrecords, tmp_path, without_a_checksum)
+    said = r"dataset.json: splits.train.shards\[0\] \(train-00000-.*\) has no sha256 while other"
+    with pytest.raises(DataError, match=f"{said}.*--overwrite"):
+        load_dataset_info(copy)
+
+
+def test_a_listing_without_any_checksum_loads(arrayrecords, tmp_path):
+    """A listing written by hand for other data (prepare writes a sha256 per shard) may have
+    none: nothing to check, so nothing is refused."""
+
+    def no_checksums(info):
+        for split in info["splits"].values():
+            for shard in split["shards"]:
+                del shard["sha256"]
+
+    info = load_dataset_info(edited_copy(arrayrecords, tmp_path, no_checksums))
+    info.verify_checksums()
+    assert records_of(info, "auto") == records_of(load_dataset_info(arrayrecords), "auto")
+
+
+def test_an_edited_token_dtype_names_the_dataset_json(arrayrecords, tmp_path):
+    """Before: "a record of 31 bytes is not a whole number of uint16 tokens; the shard is
+    corrupt: re-run python -m input_pipeline.prepare", naming no file, and blaming a shard."""
+    copy = edited_copy(arrayrecords, tmp_path, token_dtype("<u2"))
+    said = rf"not a whole number of uint16 tokens, the token_dtype {copy / 'dataset.json'} lists"
+    with pytest.raises(DataError, match=f"{said}.*restore that dataset.json or re-run"):
+        records_of(load_dataset_info(copy), "auto")
+
+
+def test_a_token_dtype_too_narrow_for_the_vocabulary_is_refused_at_load(arrayrecords, tmp_path):
+    """Before: a listing of |u1 tokens for a vocabulary of 1000 loaded, and its shards' 2-byte
+    tokens would be read as twice as many byte ids, without a word."""
+
+    def narrow(info):
+        info["vocab_size"], info["token_dtype"] = 1000, "|u1"
+
+    copy = edited_copy(arrayrecords, tmp_path, narrow)
+    said = r"dataset.json: token_dtype \|u1 holds ids below 256, not the vocab_size of 1000"
+    with pytest.raises(DataError, match=f"{said}.*--overwrite"):
         load_dataset_info(copy)
 
 

@@ -16,6 +16,7 @@ from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import count_skipped
+from input_pipeline.tfrecords import any_readable_record
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -328,3 +329,23 @@ def test_skip_corrupt_reads_on_past_wholly_unreadable_shards(datasets, tmp_path,
     reading = Reading(shuffle=shuffle, skip_corrupt=True)
     it = make_batch_iterator(info, "train", seq_len=512, batch_size=2, reading=reading)
     assert all(b["weights"].sum() > 0 for b in take(it, 60))  # several epochs of shard 2
+
+
+def test_no_readable_record_names_the_data_stream(datasets, tmp_path):
+    """Before: with several data.streams the line said "this reader", which names none."""
+    info = garbled_copy(datasets[1], tmp_path, range(3))
+    reading = Reading(skip_corrupt=True, process_index=1, process_count=2)
+    it = make_batch_iterator(info, "train", seq_len=64, batch_size=2, reading=reading)
+    said = r"the 1 TFRecord shard\(s\) data stream 1 of 2 reads hold no readable record"
+    with pytest.raises(DataError, match=f"{said} \\(first .*train-00001-"):
+        next(it)
+
+
+def test_a_shard_that_cannot_be_read_holds_no_readable_record(datasets, tmp_path):
+    """TensorFlow's reader opens a folder and fails at its first read. Before: the probe for a
+    readable record let that OSError out, a traceback."""
+    folder = tmp_path / "train-00000-of-00001.tfrecord"
+    folder.mkdir()
+    shard = str(datasets[1].shard_paths("train")[0])
+    assert not any_readable_record([str(folder)], vocab_size=256)
+    assert any_readable_record([str(folder), shard], vocab_size=256)
