@@ -3,6 +3,7 @@
 and the fix, exit code 2, no traceback; and what they write is where they say."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,48 @@ def test_export_to_a_folder_that_cannot_be_created(workdir, tmp_path, capsys):
     out = tmp_path / "new" / "params"  # a missing parent is made, as before
     assert export.main(["--workdir", str(workdir), "--out", str(out)]) == 0
     assert (out / "_CHECKPOINT_METADATA").is_file()
+
+
+# ----------------------------------------------------------------------------- a saved config
+
+
+def older_run(workdir: Path, copy: Path, section: str, key: str, value) -> Path:
+    """A copy of `workdir` whose checkpoint's saved config sets `section.key` to `value`, as a
+    version of the trainer with another schema would have saved it; the file edited."""
+    shutil.copytree(workdir, copy)
+    [meta] = copy.glob("checkpoints/*/meta/metadata")
+    saved = json.loads(meta.read_text())
+    saved["config"][section][key] = value
+    meta.write_text(json.dumps(saved))
+    return meta
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "problem"),
+    [
+        ("model", "old_knob", 1, "unknown key model.old_knob; valid keys: model.kind, "),
+        ("data", "seq_len", -1, "data.seq_len: Input should be greater than or equal to 2"),
+    ],
+    ids=["removed_key", "refused_value"],
+)
+@pytest.mark.parametrize("tool", ["export", "generate"])
+def test_a_saved_config_this_version_refuses_names_its_file(
+    workdir, tmp_path, tool, section, key, value, problem, capsys
+):
+    """Before: the key's line as for a user's own config ("unknown key model.old_knob; valid
+    keys: ...", or "did you mean"), naming neither the file it is in nor what to do there."""
+    meta = older_run(workdir, tmp_path / "older", section, key, value)
+    argv = ["--workdir", str(tmp_path / "older")]
+    if tool == "export":
+        assert export.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    else:
+        assert generate.main([*argv, "--prompt", "def", "--max-new-tokens", "2"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(
+        f"error: {meta} holds a saved config that this version of the trainer refuses ({problem}"
+    ), line
+    assert line.endswith("; edit that key in the file, or use the trainer version that saved it")
+    assert meta.parent.parent.is_dir(), "the checkpoint stays in place"
 
 
 # ----------------------------------------------------------------------------- generate

@@ -3,6 +3,8 @@ labels runs by `run.name`."""
 
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -92,11 +94,43 @@ def test_the_reader_leaves_out_a_cut_off_last_line_and_numbers_the_damage(tmp_pa
     assert last_logged(tmp_path, "loss") == 1.0
 
 
-def test_a_metrics_file_that_cannot_be_written_is_one_line(tmp_path):
+UNREADABLE = ["no_permission", "read_fails"]
+
+
+def make_unreadable(path: Path, how: str) -> None:
+    """`path` as a file that exists but whose read fails: without read permission (which root
+    ignores: skipped then), or a link to /proc/self/mem, whose first page is never mapped (EIO,
+    for root too)."""
+    if how == "no_permission":
+        path.write_text('{"step": 1, "loss": 2.0}\n')
+        path.chmod(0o200)
+        if os.access(path, os.R_OK):
+            pytest.skip("this user reads files without read permission (root)")
+    else:
+        if not Path("/proc/self/mem").is_file():
+            pytest.skip("needs Linux /proc")
+        path.symlink_to("/proc/self/mem")
+
+
+def test_a_metrics_file_that_cannot_be_read_on_resume_is_one_line(tmp_path):
+    """A folder in its place used to be "cannot write ...; make it writable": it is a read that
+    fails (a file without read permission too), and making it writable would not do."""
     from trainer.errors import TrainingError
 
-    (tmp_path / "metrics.jsonl").mkdir()  # e.g. another user's file: not writable
-    with pytest.raises(TrainingError, match=r"^cannot write .*metrics.jsonl: Is a directory; "):
+    (tmp_path / "metrics.jsonl").mkdir()
+    expected = (
+        r"^cannot read .*metrics.jsonl to resume its log: Is a directory; make it a readable "
+    )
+    with pytest.raises(TrainingError, match=expected):
+        MetricsWriter(tmp_path, total_steps=10, start_step=2, tensorboard=False)
+
+
+@pytest.mark.parametrize("how", UNREADABLE)
+def test_an_unreadable_metrics_file_on_resume_is_one_line(tmp_path, how):
+    from trainer.errors import TrainingError
+
+    make_unreadable(tmp_path / "metrics.jsonl", how)
+    with pytest.raises(TrainingError, match=r"^cannot read .*metrics.jsonl to resume its log: "):
         MetricsWriter(tmp_path, total_steps=10, start_step=2, tensorboard=False)
 
 
@@ -182,3 +216,39 @@ def test_report_tells_apart_runs_of_the_same_name_by_path(tmp_path):
     _logged_run(tmp_path / "y", "demo")
     runs = report.load_runs([tmp_path / "x" / "demo", tmp_path / "y"])
     assert [r.label for r in runs] == [str(tmp_path / "x" / "demo"), str(tmp_path / "y")]
+
+
+@pytest.mark.parametrize("how", UNREADABLE)
+def test_report_on_an_unreadable_metrics_file_is_one_line(tmp_path, how, capsys):
+    """Before: an OSError traceback."""
+    path = tmp_path / "metrics.jsonl"
+    make_unreadable(path, how)
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read {path} (") and err.count("\n") == 1, err
+    assert err.endswith(
+        "); make it readable, or pass the run.workdir of a run that logged a step\n"
+    )
+
+
+def test_report_says_what_stands_in_place_of_the_metrics_file(tmp_path, capsys):
+    """Before: "has no metrics.jsonl" of a workdir that has one, a folder or a broken link."""
+    folder, link = tmp_path / "folder", tmp_path / "link"
+    (folder / "metrics.jsonl").mkdir(parents=True)
+    link.mkdir()
+    (link / "metrics.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    fix = "; pass the run.workdir of a run that logged a step\n"
+    assert report.main([str(folder)]) == 2
+    assert capsys.readouterr().err == f"error: {folder / 'metrics.jsonl'} is not a file{fix}"
+    assert report.main([str(link)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {link / 'metrics.jsonl'} is a link to {tmp_path / 'gone.jsonl'}, which leads to "
+        f"no file{fix}"
+    )
+
+
+def test_report_labels_a_run_whose_config_is_not_text_by_its_folder(tmp_path):
+    """Before: a UnicodeDecodeError traceback from reading config.yaml for the label."""
+    _logged_run(tmp_path / "a", None)
+    (tmp_path / "a" / "config.yaml").write_bytes(b"run:\n  name: \xff\xfe\n")
+    assert [r.label for r in report.load_runs([tmp_path / "a"])] == ["a"]

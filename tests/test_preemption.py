@@ -120,3 +120,50 @@ def test_a_second_sigint_aborts_unless_the_stops_save_has_begun(capfd):
             signal.raise_signal(signal.SIGINT)
     err = capfd.readouterr().err
     assert err.count("SIGINT again: the checkpoint of step 5 is being saved") == 1, err
+
+
+def _ctrl_c_while_closing_after_a_stop() -> BaseException | None:
+    """What a Ctrl-C raises once the loop's stop has saved, as the run writes its summary."""
+    try:
+        with OutsideLoop(single_process=True):
+            with StopRequest() as stop:
+                signal.raise_signal(signal.SIGINT)  # the stop
+                assert stop.at_step()
+                stop.saving_last(3)
+            signal.raise_signal(signal.SIGINT)  # again, while the run closes
+    except (Stopped, KeyboardInterrupt) as err:
+        return err
+    return None
+
+
+def test_a_sigint_once_the_loops_saves_are_written_ends_the_run_saying_they_are_complete():
+    """Ctrl-C while the run closes after its loop (the stop's save waited for, the summary being
+    written) got Python's KeyboardInterrupt, and the CLI said "interrupted without saving". It
+    is a stop while closing, as a SIGTERM there; before the loop, and while a loop that failed
+    unwinds, it is still the KeyboardInterrupt that says nothing new was saved."""
+    before = signal.getsignal(signal.SIGINT)
+    stopped = _ctrl_c_while_closing_after_a_stop()
+    assert isinstance(stopped, Stopped), repr(stopped)
+    assert stopped.signal_name == "SIGINT" and stopped.loop_started
+    line = stopped.line()
+    assert line.startswith("stopped by SIGINT while closing the run, after its last step; ")
+    assert "its checkpoints are complete" in line
+    assert signal.getsignal(signal.SIGINT) is before
+
+    with pytest.raises(KeyboardInterrupt), OutsideLoop(single_process=True):
+        signal.raise_signal(signal.SIGINT)  # during start-up
+    with pytest.raises(KeyboardInterrupt), OutsideLoop(single_process=True):
+        with pytest.raises(RuntimeError), StopRequest():
+            raise RuntimeError("a loop that failed")
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_sigint_that_python_ignores_stays_ignored_after_the_loop():
+    """A launcher that ignores SIGINT (bash does for a script's background jobs) keeps it so."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with OutsideLoop(single_process=True):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -3,7 +3,9 @@ the run without waiting for that read: under Slurm the grace period after SIGTER
 and closing the feed used to wait 10 s for a reader that never returns whenever the loop saw the
 stop somewhere else than in its own wait for that batch (after a step, or between two eval
 batches). A second Ctrl-C once the stop's checkpoint is being saved lets that save finish and
-says so, instead of cutting it (or waiting for it anyway) and saying nothing was saved."""
+says so, instead of cutting it (or waiting for it anyway) and saying nothing was saved; one once
+it is written (as the run closes, or as the process exits) says the checkpoint is complete, or
+ends the exit at once, instead of "interrupted without saving" or a traceback."""
 
 import json
 import os
@@ -18,6 +20,7 @@ import pytest
 from conftest import TINY
 
 from trainer.config import load_config
+from trainer.main import main
 from trainer.train import run
 
 ROWS, LENGTH = 16, 64
@@ -143,6 +146,69 @@ def test_an_abort_does_not_wait_for_a_stuck_read(stuck, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(config(tmp_path, "eval.every=100", "checkpoint.every=2"), data=read.batches())
     assert read.waited == [], "closing the feed waited for a read that never returns"
+
+
+def test_ctrl_c_after_the_stops_save_says_the_checkpoint_is_complete(
+    corpus, tmp_path, repo_root, monkeypatch, capfd
+):
+    """Ctrl-C stops the run after step 1 (its save written), and again as the run writes its
+    summary. Before: Python's KeyboardInterrupt there, and the CLI said "interrupted without
+    saving" (rc 130) of a run whose checkpoint was complete."""
+    import trainer.loop
+    from trainer.preemption import StopRequest
+
+    real_at_step, real_summary = StopRequest.at_step, trainer.loop.format_summary
+
+    def ctrl_c_first(stop: StopRequest) -> bool:
+        if stop.signal_name is None:
+            signal.raise_signal(signal.SIGINT)
+        return real_at_step(stop)
+
+    def ctrl_c_again(summary) -> str:
+        signal.raise_signal(signal.SIGINT)
+        return real_summary(summary)
+
+    monkeypatch.setattr(StopRequest, "at_step", ctrl_c_first)
+    monkeypatch.setattr(trainer.loop, "format_summary", ctrl_c_again)
+    workdir = tmp_path / "run"
+    args = ["--config", str(repo_root / "configs/tiny.yaml"), *TINY, f"data.path={corpus}"]
+    args += ["run.steps=4", "log.tensorboard=false", f"run.workdir={workdir}"]
+    assert main(args) == 0
+    err = capfd.readouterr().err
+    assert saved_steps(workdir) == [1]
+    assert "stopped by SIGINT at step 1; checkpoint saved" in err
+    assert err.endswith(
+        "stopped by SIGINT while closing the run, after its last step; its checkpoints are "
+        "complete: re-run the same command to resume\n"
+    ), err[-2000:]
+    assert "interrupted without saving" not in err and "Traceback" not in err
+
+
+# `python -m trainer.main` with a run that trains nothing, and a Ctrl-C from an exit-time callback,
+# as one pressed while the process goes through Python's and JAX's cleanups after its last line.
+EXITING_RUN = """
+import atexit, os, runpy, signal, sys, types
+import trainer.train
+
+trainer.train.run = lambda config: types.SimpleNamespace(step=config.run.steps, eval_loss=None)
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))
+sys.argv = ["trainer.main", "--config", "configs/tiny.yaml"]
+runpy.run_module("trainer.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_process_exits_ends_it_without_a_traceback(repo_root):
+    """Before: "Exception ignored in atexit callback" and a KeyboardInterrupt traceback after the
+    run's last line."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXITING_RUN],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == "finished at step 20\n", done.stderr[-3000:]
 
 
 # The CLI, with SECOND_SIGINT set to `save` or `wait`: the process sends itself a SIGINT as the loop

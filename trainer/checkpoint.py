@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 
 from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
-from trainer.config import CheckpointConfig, Config, config_from_dict
+from trainer.config import CheckpointConfig, Config, saved_config
 from trainer.errors import ConfigError, TrainingError, first_line
 from trainer.loss_scale import LossScale, uses_loss_scale
 from trainer.parallel.state import TrainState
@@ -33,6 +33,7 @@ from trainer.parallel.state import TrainState
 T = TypeVar("T")
 
 RESUME_ANOTHER_MODEL = "use a new run.workdir or the model config it was saved with"
+META_FILE = "meta/metadata"  # in a step's folder: the `meta` item, as Orbax's JsonSave writes it
 
 
 def _train_part(state: TrainState) -> dict[str, Any]:
@@ -335,7 +336,8 @@ class Checkpointer:
         """The config the run saved with `step`, its vocabulary filled in: the model to rebuild
         (export, generate)."""
         meta = self.read_meta(step)
-        return config_from_dict(meta["config"]).derive({"model.vocab_size": meta["vocab_size"]})
+        config = saved_config(meta["config"], self.directory / str(step) / META_FILE)
+        return config.derive({"model.vocab_size": meta["vocab_size"]})
 
     def restore(
         self, step: int, target: TrainState, run_config: dict[str, Any] | None = None

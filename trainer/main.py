@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out_of_memory(err)}", file=sys.stderr)
         return end_alone_if_joined(USAGE_EXIT)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
+        # (once the loop has ended with its saves written, Ctrl-C is a `Stopped` that says so)
         quiet_asyncio()
         print(
             "interrupted without saving; re-run the same command to resume from the latest "
@@ -129,5 +130,15 @@ def out_of_memory(err: RuntimeError) -> str:
     )
 
 
+def end_at_once_on_sigint(status: int) -> None:
+    """From here the process only exits, through Python's and JAX's exit-time cleanups: a Ctrl-C
+    now ends it at once with `status`, its last line written, where Python's KeyboardInterrupt
+    printed a traceback from whichever cleanup it cut."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not one ignored
+        signal.signal(signal.SIGINT, lambda _signum, _frame: exit_now(status))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_status = main()
+    end_at_once_on_sigint(exit_status)
+    sys.exit(exit_status)

@@ -11,12 +11,14 @@ tells every process the same step to stop at; SIGINT is turned into a SIGTERM to
 Outside the loop (start-up: data, model, compile, restore; and closing after it) nothing is being
 trained, so a single process's SIGTERM ends the run at once with one line (`OutsideLoop`), through
 its cleanups: its default action killed it mid-way, without a word (a half-prepared built-in
-corpus stayed behind in the cache). Python swallows an exception raised where it cannot propagate
-(a garbage-collector callback, a `__del__`), so a stop raised there is kept and raised again when
-the loop would start, or when the run closes. Several processes get the same line while they have
-not yet joined JAX's runtime (a Slurm time-limit warning during start-up, a SIGTERM to
-launch/local.sh): once joined, JAX's preemption service holds SIGTERM and stops them all after
-their first step.
+corpus stayed behind in the cache). A SIGINT once the loop has ended with its saves written ends
+the run the same way, with a line saying that its checkpoints are complete: Python's own
+KeyboardInterrupt there made the CLI say that nothing was saved. Python swallows an exception
+raised where it cannot propagate (a garbage-collector callback, a `__del__`), so a stop raised
+there is kept and raised again when the loop would start, or when the run closes. Several
+processes get the same line while they have not yet joined JAX's runtime (a Slurm time-limit
+warning during start-up, a SIGTERM to launch/local.sh): once joined, JAX's preemption service
+holds SIGTERM and stops them all after their first step.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._saving_step: int | None = None  # the stop's own save has begun (`saving_last`)
         self._said_finishing = False
+        self._outside: OutsideLoop | None = None  # the CLI's handler of signals outside the loop
 
     def at_step(self) -> bool:
         """Decide whether the step just run is the last one; call it exactly once per step on
@@ -102,24 +105,37 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals need the main thread
-            outside = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-            if isinstance(outside, OutsideLoop):
-                outside.raise_swallowed()  # a start-up stop that Python swallowed
-                outside.loop_started = True  # a signal after this loop comes while closing
+            self._outside = _outside_loop()
+            if self._outside is not None:
+                self._outside.raise_swallowed()  # a start-up stop that Python swallowed
+                self._outside.loop_started = True  # a signal after this loop comes while closing
             handled = (signal.SIGINT,) if self._multihost else (signal.SIGTERM, signal.SIGINT)
             for sig in handled:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_exc) -> None:
+        if self._outside is not None and exc_type is None:  # before a SIGINT can reach it
+            self._outside.saves_written = True  # the loop waited for its saves before it ended
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
 
+def _outside_loop() -> OutsideLoop | None:
+    """The `OutsideLoop` around this run, found by the signal handlers it holds (None without
+    one: a library caller's own loop)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        outside = getattr(signal.getsignal(sig), "__self__", None)
+        if isinstance(outside, OutsideLoop):
+            return outside
+    return None
+
+
 class Stopped(BaseException):
-    """A SIGTERM outside the step loop: raised where the main thread is, so that cleanups run.
-    A `BaseException`, like `KeyboardInterrupt`, so that no `except Exception` swallows it."""
+    """A SIGTERM outside the step loop, or a SIGINT after it: raised where the main thread is, so
+    that cleanups run. A `BaseException`, like `KeyboardInterrupt`, so that no `except Exception`
+    swallows it."""
 
     def __init__(self, signal_name: str, loop_started: bool, joining: str | None = None) -> None:
         super().__init__(signal_name)
@@ -144,7 +160,9 @@ class Stopped(BaseException):
 
 class OutsideLoop:
     """A context manager, held around a whole run, that turns a SIGTERM while no `StopRequest`
-    holds it into the end of the run with one line. SIGINT keeps its `KeyboardInterrupt`.
+    holds it into the end of the run with one line. SIGINT keeps its `KeyboardInterrupt` (nothing
+    new is saved) until the loop has ended with its saves written (`saves_written`); from then it
+    is a stop while closing, as a SIGTERM (a SIGINT that Python ignores stays ignored).
 
     A single process raises `Stopped` where its main thread is, so that its cleanups run. Several
     processes do so only until they have joined JAX's runtime (`runtime_joined`): from then on
@@ -157,10 +175,12 @@ class OutsideLoop:
 
     def __init__(self, single_process: bool, cluster: str = "the cluster") -> None:
         self.loop_started = False  # a `StopRequest` took SIGTERM over (and gave it back)
+        self.saves_written = False  # that loop ended normally, after waiting for its saves
         self._single_process = single_process
         self._cluster = cluster  # what several processes join, for the line
         self._runtime_has_sigterm = False  # JAX's preemption service replaced our handler
         self._previous: object = None
+        self._previous_sigint: object = None  # set while we hold SIGINT
         self._previous_unraisable_hook = sys.unraisablehook
         self._raised: Stopped | None = None  # kept in case Python swallowed it
         self._installed = False
@@ -183,6 +203,12 @@ class OutsideLoop:
         self._raised = Stopped(name, self.loop_started)
         raise self._raised
 
+    def _handle_sigint(self, signum: int, frame) -> None:
+        if not self.saves_written:
+            signal.default_int_handler(signum, frame)  # KeyboardInterrupt: "without saving"
+        self._raised = Stopped(signal.Signals(signum).name, loop_started=True)
+        raise self._raised
+
     def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
         """Python's report of an exception it swallowed; our own stop is raised again later."""
         if not isinstance(unraisable.exc_value, Stopped):
@@ -196,6 +222,8 @@ class OutsideLoop:
     def __enter__(self) -> OutsideLoop:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous_sigint = signal.signal(signal.SIGINT, self._handle_sigint)
             self._previous_unraisable_hook = sys.unraisablehook
             sys.unraisablehook = self._unraisable
             self._installed = True
@@ -205,6 +233,9 @@ class OutsideLoop:
         if self._installed:
             if not self._runtime_has_sigterm:  # restoring the old one would remove JAX's
                 signal.signal(signal.SIGTERM, self._previous)
+            if self._previous_sigint is not None:
+                signal.signal(signal.SIGINT, self._previous_sigint)
+                self._previous_sigint = None
             sys.unraisablehook = self._previous_unraisable_hook
             self._installed = False
             if exc_type is None:

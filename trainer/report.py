@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from trainer.observe.goodput import BUCKETS
 from trainer.observe.metrics import read_metrics
 
 USAGE_EXIT = 2
+ANOTHER_WORKDIR = "pass the run.workdir of a run that logged a step"
 DEFAULT_NAME = RunConfig().name  # says nothing about the run: the folder name does
 CURVES = (  # metrics.jsonl key, panel title
     ("lr", "learning rate"),
@@ -62,12 +64,13 @@ def _number(value: Any) -> float:
 
 def run_name(workdir: str | Path) -> str:
     """The run's label: `run.name` from its saved `config.yaml` unless left at the default
-    ("run", which says nothing), else the workdir's folder name."""
+    ("run", which says nothing), else the workdir's folder name: also where that file cannot be
+    read, or is not a run's config (a label is no reason to refuse the report)."""
     workdir = Path(workdir)
     try:
-        config = yaml.safe_load((workdir / "config.yaml").read_text())
+        config = yaml.safe_load((workdir / "config.yaml").read_text(encoding="utf-8"))
         name = config["run"]["name"]
-    except (OSError, yaml.YAMLError, TypeError, KeyError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, KeyError):
         name = None
     return name if isinstance(name, str) and name and name != DEFAULT_NAME else workdir.name
 
@@ -76,14 +79,17 @@ def load_run(workdir: str | Path, label: str) -> RunLog:
     workdir = Path(workdir)
     path = workdir / "metrics.jsonl"
     if not path.is_file():
-        what = "does not exist" if not workdir.exists() else "has no metrics.jsonl"
-        raise ReportError(f"{workdir} {what}; pass the run.workdir of a run that logged a step")
-    log = read_metrics(path)
+        raise ReportError(f"{_no_metrics_file(workdir, path)}; {ANOTHER_WORKDIR}")
+    try:
+        log = read_metrics(path)
+    except OSError as err:
+        raise ReportError(
+            f"cannot read {path} ({err.strerror}); make it readable, or {ANOTHER_WORKDIR}"
+        ) from None
     train = [r for r in log.rows if "loss" in r]
     if not log.rows and log.damaged:
         raise ReportError(
-            f"{path} holds no metrics line (a JSON object with step and loss); pass the "
-            "run.workdir of a run that logged a step"
+            f"{path} holds no metrics line (a JSON object with step and loss); {ANOTHER_WORKDIR}"
         )
     if not train:
         raise ReportError(f"{path} holds no training lines yet; wait for the first log.every step")
@@ -95,6 +101,17 @@ def load_run(workdir: str | Path, label: str) -> RunLog:
         summary=_read_summary(workdir / "summary.json"),
         damage=log.damage(),
     )
+
+
+def _no_metrics_file(workdir: Path, path: Path) -> str:
+    """Why `path`, the metrics file of `workdir`, is not a file to read."""
+    if not workdir.exists():
+        return f"{workdir} does not exist"
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a link to {os.readlink(path)}, which leads to no file"
+    if path.exists():
+        return f"{path} is not a file"
+    return f"{workdir} has no metrics.jsonl"
 
 
 def _read_summary(path: Path) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 `section.key=value` overrides (`reading`); a user mistake is one `ConfigError` line naming the
 key and the fix (`validation`)."""
 
-from trainer.config.reading import config_from_dict, load_config
+from trainer.config.reading import config_from_dict, load_config, saved_config
 from trainer.config.schema import (
     CheckpointConfig,
     Config,
@@ -33,4 +33,5 @@ __all__ = [
     "RunConfig",
     "config_from_dict",
     "load_config",
+    "saved_config",
 ]

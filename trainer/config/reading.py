@@ -31,6 +31,19 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     return validated(Config, fill_model_section(tree))  # hf:PATH init_from: model.* from it
 
 
+def saved_config(tree: dict[str, Any], source: Path) -> Config:
+    """The config a run saved in `source` (a checkpoint's: export and generate rebuild its model
+    from it). One that this version refuses (a key since removed, a value since refused) is one
+    line naming that file, where the fix is to be made."""
+    try:
+        return config_from_dict(tree)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{source} holds a saved config that this version of the trainer refuses ({err}); "
+            "edit that key in the file, or use the trainer version that saved it"
+        ) from None
+
+
 class _RepeatedKeyError(Exception):
     """A YAML mapping that gives `key` twice: at line `line`, first at line `first`."""
 

@@ -229,7 +229,13 @@ def _truncate_after(path: Path, step: int) -> str | None:
     kept. Returns the damage dropped, as one line (None without any)."""
     if not path.exists():
         return None
-    text = path.read_text(errors="replace")
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:  # told apart from a write's: making it writable would not do
+        raise TrainingError(
+            f"cannot read {path} to resume its log: {err.strerror}; make it a readable file, "
+            "or choose another run.workdir"
+        ) from None
     log = _parse_metrics(path, text)
     kept = "".join(line.text + "\n" for line in log.lines if line.row["step"] <= step)
     if kept != text:
