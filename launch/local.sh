@@ -19,7 +19,8 @@
 #   PYTHON               interpreter (default: python)
 #   LOCAL_DEVICE         cpu | gpu (default: gpu when nvidia-smi lists at least N GPUs)
 #   LOCAL_CPU_DEVICES    total fake CPU devices, a multiple of N (default: 8)
-#   JAX_COORDINATOR_PORT coordinator port on 127.0.0.1 (default: a free one)
+#   JAX_COORDINATOR_PORT coordinator port on 127.0.0.1 (default: a free one, which the launcher
+#                        keeps bound until it ends, so that nothing else takes it first)
 #   LOCAL_KILL_GRACE_S   seconds between SIGTERM and SIGKILL when one process failed (default: 10)
 # Only sets variables and starts processes: install the project first (see README.md).
 set -uo pipefail
@@ -85,9 +86,40 @@ case $device in
     exit 2 ;;
 esac
 
-free_port='import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-port=${JAX_COORDINATOR_PORT:-$("$python" -c "$free_port")}
-whole_number JAX_COORDINATOR_PORT "$port" 1
+# A free port, bound until this launcher ends (its end of the holder's stdin closes): on every
+# interface with SO_REUSEADDR, as the coordinator binds, and never listening. Automatic port
+# choices (bind to port 0, outgoing connections) skip it and a plain bind there fails, while
+# process 0's coordinator can still listen on it. A port found free and let go was anyone's in
+# the seconds before the coordinator bound it, and the run ended on process 0's "port P ... is
+# already in use" line. (Ctrl-C is for the training processes: the holder ignores it.)
+hold_free_port='
+import signal, socket, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    holder = socket.socket(socket.AF_INET6)
+    holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    host = "::"
+except OSError:  # no IPv6 on this host
+    holder, host = socket.socket(socket.AF_INET), "0.0.0.0"
+holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+holder.bind((host, 0))
+print(holder.getsockname()[1], flush=True)
+sys.stdin.read()
+'
+if [[ -n ${JAX_COORDINATOR_PORT:-} ]]; then
+  port=$JAX_COORDINATOR_PORT
+  whole_number JAX_COORDINATOR_PORT "$port" 1
+else
+  coproc port_holder { exec "$python" -c "$hold_free_port"; }
+  port=""
+  from_holder=${port_holder[0]:-} # unset already if the holder ended at once
+  [[ -z $from_holder ]] || read -r port 2>/dev/null <&"$from_holder"
+  if [[ ! $port =~ ^[0-9]+$ ]]; then
+    echo "local.sh: PYTHON=$python could not hold a free port for the coordinator; set" \
+      "JAX_COORDINATOR_PORT to a free port" >&2
+    exit 2
+  fi
+fi
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$num_processes
 
 pids=()
@@ -109,13 +141,27 @@ done
 echo "local.sh: $num_processes processes (${pids[*]}) on $device, $per_process device(s) each," \
   "coordinator $JAX_COORDINATOR_ADDRESS" >&2
 
+# first_ended: sets finished and rc for a process of running[] that has ended; 1 if none has.
+# (`wait -n` missed a process that ended while the shell ran a trap or reaped another one, as
+# when one Ctrl-C ends them all, and then waited for ever; `wait PID` never misses one.)
+first_ended() {
+  local pid
+  for pid in "${running[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      finished=$pid
+      wait "$pid"
+      rc=$?
+      return 0
+    fi
+  done
+  return 1
+}
+
 status=0
 running=("${pids[@]}")
 while ((${#running[@]})); do
-  finished=""
-  wait -n -p finished "${running[@]}"
-  rc=$?
-  [[ -n ${finished:-} ]] || continue # a trapped signal interrupted the wait
+  # (the braces keep bash's "Terminated" line to itself when a signal ends the sleep)
+  first_ended || { { sleep 0.2; } 2>/dev/null; continue; }
   running=($(printf '%s\n' "${running[@]}" | grep -vx "$finished"))
   if ((rc != 0 && status == 0)); then
     status=$rc

@@ -334,9 +334,13 @@ exec sleep 120
 """
 
 # ... or joining JAX's runtime: the trainer's own start-up line (the file `line` beside it), exit
-# 0. Its handler is set before it says it is starting, when the test's warning may come.
+# 0. Its handler is set before it says it is starting, when the test's warning may come. The
+# handler writes the line with builtins only: Slurm signals every process of the step, and a `cat`
+# started by the handler was at times ended by the same SIGTERM before it wrote the line (the
+# session then looked like a save, and was requeued uncounted).
 ANSWERING_STAND_IN = """#!/bin/sh
-trap 'kill $! 2>/dev/null; cat "$(dirname "$0")/line" >&2; exit 0' TERM
+read -r line < "${0%/*}/line"
+trap 'kill $! 2>/dev/null; echo "$line" >&2; exit 0' TERM
 echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >&2
 sleep 120 &
 wait
@@ -382,3 +386,118 @@ def test_a_warning_during_the_tasks_start_up_requeues_the_job_a_bounded_number_o
     ), job_log
     assert len(lines) == 6, job_log  # start, warned, requeue; start, warned, stop
     assert "startup_requeues=1" in job.get("Comment", ""), job
+
+
+# ----------------------------------------------------------------------------- signals early on
+# The script under plain bash, with stand-ins for Slurm's commands (no cluster needed): a signal
+# is sent at a chosen point of its start-up, which a real Slurm cannot time.
+
+FAKE_SRUN = """#!/bin/sh
+# srun whose tasks are still starting: the step's SIGTERM ends them ("Terminated", no status).
+echo $$ > "$FAKE/srun.pid"
+sleep 120 &
+trap 'kill $!; echo "srun: error: localhost: tasks 0-1: Terminated" >&2; exit 143' TERM
+wait
+"""
+
+FAKE_SLURM = {
+    "srun": FAKE_SRUN,
+    # the step once srun runs (squeue --steps), and an empty Comment (--format=%k)
+    "squeue": """#!/bin/sh
+case "$*" in
+  *--steps*) [ -s "$FAKE/srun.pid" ] && echo "$SLURM_JOB_ID.0" ;;
+  *) echo "(null)" ;;
+esac
+exit 0
+""",
+    "scancel": """#!/bin/sh
+echo "scancel $*" >> "$FAKE/calls"
+kill -TERM "$(cat "$FAKE/srun.pid")"
+""",
+    "scontrol": """#!/bin/sh
+echo "scontrol $*" >> "$FAKE/calls"
+""",
+}
+
+# BASH_ENV, read by the script's bash before the script: SIGNAL to the shell itself, once, just
+# before the first command that starts with BEFORE.
+SIGNAL_BEFORE = """\
+trap '[[ $BASH_COMMAND == "$SIGNAL_BEFORE"* ]] && {{ trap - DEBUG; kill -{signal} $$; }}' DEBUG
+"""
+
+
+def fake_slurm(folder: Path, **extra: str) -> dict[str, str]:
+    """An environment whose PATH finds stand-ins for srun, squeue, scancel and scontrol (and
+    `extra` commands) in `folder`; they note their calls in `folder`/calls."""
+    for name, text in {**FAKE_SLURM, **extra}.items():
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    (folder / "tmp").mkdir()
+    return {
+        **env,
+        "PATH": f"{folder}{os.pathsep}{env['PATH']}",
+        "FAKE": str(folder),
+        "TMPDIR": str(folder / "tmp"),
+        "SLURM_JOB_ID": "123",
+        "PYTHON": sys.executable,
+    }
+
+
+def signalled_early(folder: Path, signal_name: str, before: str) -> dict[str, str]:
+    """BASH_ENV for `fake_slurm`'s environment: SIGUSR1/SIGTERM to the script's shell just before
+    its first command starting with `before`."""
+    hook = folder / f"signal-{signal_name}"
+    hook.write_text(SIGNAL_BEFORE.format(signal=signal_name))
+    return {"BASH_ENV": str(hook), "SIGNAL_BEFORE": before}
+
+
+def test_a_warning_while_the_script_checks_its_knobs_stops_the_step_once_it_starts(
+    repo_root, tmp_path
+):
+    """`--signal=B:USR1@S` warns at the job's start when --time is shorter than S (plus Slurm's
+    up to 60 s): a SIGUSR1 before the script's trap ended the batch shell (bash's default action,
+    exit 138) and the job with it, not requeued. Its trap was set after the knob checks; a warning
+    during them (here: while it checks PYTHON) now stops the step as soon as it starts, and the
+    job requeues itself as for any warning during the tasks' start-up."""
+    env = fake_slurm(tmp_path)
+    env.update(signalled_early(tmp_path, "USR1", before="command -v "))
+    done = subprocess.run(
+        ["bash", "launch/slurm.sbatch", "run.steps=1"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stderr.splitlines() if x.startswith("slurm.sbatch: ")]
+    assert lines[0].startswith("slurm.sbatch: time limit near (SIGUSR1): asking every task"), lines
+    assert lines[-1].startswith(
+        "slurm.sbatch: time limit near: the tasks were still starting, and ended on the SIGTERM "
+        "before their first step (nothing trained, nothing lost); requeueing job 123 to resume "
+        "from the latest checkpoint (start-up requeue 1 of STARTUP_REQUEUES=3 in a row)"
+    ), done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == "scancel --signal=TERM 123.0", calls
+    assert calls[-1] == "scontrol requeue 123", calls
+    assert not list((tmp_path / "tmp").iterdir()), "srun's stderr copy was removed"
+
+
+def test_a_sigterm_right_after_the_scripts_temporary_file_is_made_removes_it(repo_root, tmp_path):
+    """scancel (or the time limit) sends SIGTERM to the batch shell: its exit trap removes the
+    copy of srun's stderr. A SIGTERM between mktemp and that trap left the file behind."""
+    mktemp = shutil.which("mktemp")
+    fake_mktemp = f'#!/bin/sh\n{mktemp} "$@"\nkill -TERM $PPID\n'  # made, then the SIGTERM
+    env = fake_slurm(tmp_path, mktemp=fake_mktemp)
+    done = subprocess.run(
+        ["bash", "launch/slurm.sbatch", "run.steps=1"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert not (tmp_path / "srun.pid").exists(), "srun never started"
+    assert not list((tmp_path / "tmp").iterdir()), done.stderr
