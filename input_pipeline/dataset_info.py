@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from input_pipeline.errors import DataError
+from input_pipeline.verified import VerifiedShards, file_stamp
 
 INFO_FILE = "dataset.json"
 NULL_TEXTS = "null_texts_skipped"  # present only when prepare skipped some
@@ -67,24 +68,36 @@ class DatasetInfo:
                 )
         return paths
 
-    def verify_checksums(self) -> None:
+    def verify_checksums(self, verified: VerifiedShards | None = None) -> None:
         """Compare every shard with the sha256 `prepare` recorded: a shard changed or damaged
         since then fails here, before training, rather than as odd batches later. Shards are
-        hashed on parallel threads (hashlib releases the GIL)."""
+        hashed on parallel threads (hashlib releases the GIL); those `verified` holds unchanged
+        since they matched are not read again, and those that match now are added to it."""
         shards = [
-            (path, shard.get("sha256"))
+            (path, shard.get("sha256"), file_stamp(path))
             for name in self.raw.get("splits", {})
             for path, shard in zip(self.shard_paths(name), self.split(name)["shards"], strict=True)
         ]
+        if verified is not None:
+            shards = [
+                (path, expected, stamp)
+                for path, expected, stamp in shards
+                if not (expected and verified.known(path, stamp, expected))
+            ]
         with ThreadPoolExecutor() as pool:
-            actual = list(pool.map(sha256_of, [path for path, _ in shards]))
-        for (path, expected), digest in zip(shards, actual, strict=True):
+            actual = list(pool.map(sha256_of, [path for path, _, _ in shards]))
+        for (path, expected, _), digest in zip(shards, actual, strict=True):
             if expected and digest != expected:
                 raise DataError(
                     f"shard {path} does not match the checksum in {self.path / INFO_FILE} "
                     "(changed or damaged since prepare); restore it or re-run python -m "
                     "input_pipeline.prepare --overwrite (data.verify_checksums=false skips this)"
                 )
+        if verified is not None and shards:
+            for path, expected, stamp in shards:
+                if expected:
+                    verified.add(path, stamp, expected)
+            verified.save()
 
     def num_records(self, name: str) -> int:
         return int(self.split(name)["records"])

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from input_pipeline.corpora import resolve_dataset
+from input_pipeline.corpora import default_cache_dir, resolve_dataset
 from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
@@ -33,6 +33,7 @@ from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, SkippedCount, available_memory, memory_needed
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
+from input_pipeline.verified import VERIFIED_FILE, VerifiedShards
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
 
@@ -269,12 +270,17 @@ def load_dataset(data: DataConfig, path: str | None = None, key: str = "data.pat
     info = load_dataset_info(resolve_dataset(path or data.path, data.cache_dir, key))
     if data.verify_checksums:
         try:
-            info.verify_checksums()
+            info.verify_checksums(verified_shards(data))
         except DataError as err:
             if not data.skip_corrupt:
                 raise
             print(f"warning: {err}; reading on since data.skip_corrupt=true", file=sys.stderr)
     return info
+
+
+def verified_shards(data: DataConfig) -> VerifiedShards:
+    """This host's record of the shards it has checked, in the cache folder of built-in corpora."""
+    return VerifiedShards(Path(data.cache_dir or default_cache_dir()) / VERIFIED_FILE)
 
 
 def check_same_tokenizer(infos: dict[str, DatasetInfo]) -> None:

@@ -111,7 +111,7 @@ class DataConfig(_Section):
     prefetch: int = Field(4, ge=1)
     reader: Literal["auto", "grain", "tfdata"] = "auto"  # TFRecord: auto = grain, or tf.data
     skip_corrupt: bool = False
-    verify_checksums: bool = True  # sha256 of every shard at start; false for huge datasets
+    verify_checksums: bool = True  # sha256 at start of each shard this host has not checked
     # Independent input streams per global batch (fixed = same batches on any process count);
     # unset: the process count of the run's first start, kept on resume.
     streams: int | None = Field(None, ge=1)
