@@ -127,13 +127,15 @@ def free_port() -> int:
 @contextlib.contextmanager
 def reserved_port() -> Iterator[int]:
     """A port for process 0's coordinator that nothing else takes while the test runs. Bound
-    with SO_REUSEADDR and never listening, it is skipped by other binds and by the ports the
-    kernel gives outgoing connections, while the coordinator (and the port check before it), which
-    bind with SO_REUSEADDR too, can still listen there. A `free_port` was anyone's again in the
+    with SO_REUSEADDR on every address (IPv6 and IPv4: a hold on 127.0.0.1 alone left [::1]:P
+    to others) and never listening, it is skipped by other binds and by the ports the kernel
+    gives outgoing connections, while the coordinator (and the port check before it), which bind
+    with SO_REUSEADDR too, can still listen there. A `free_port` was anyone's again in the
     seconds before the coordinator bound it, while the other tests connect and bind."""
-    with socket.socket() as holder:
+    with socket.socket(socket.AF_INET6) as holder:
+        holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", 0))
+        holder.bind(("::", 0))
         yield holder.getsockname()[1]
 
 
