@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,6 +32,10 @@ MIN_SENTENCEPIECE_VOCAB = 260
 # Lines sampled for training (`--tokenizer-sample-sentences`): enough for a good vocabulary,
 # bounded memory and time on any corpus.
 TRAINING_SENTENCES = 1_000_000
+# A longer text is encoded by SentencePiece in pieces of about this many characters: encoding it
+# whole builds a Python int per token, tens of bytes each, before any numpy array.
+ENCODE_PIECE_CHARS = 1 << 20
+WORD_START_SPACE = re.compile(r"(?<=[^ ]) (?=[\s\S])")  # after a non-space, before something
 
 
 class Tokenizer(Protocol):
@@ -83,13 +88,33 @@ class SentencePieceTokenizer:
             ) from None
         self.vocab_size = int(self._sp.vocab_size())
         self._threads = threads or os.cpu_count() or 1  # fewer per process in a pool
+        self._piece_chars = ENCODE_PIECE_CHARS if cuts_at_word_starts(self._sp) else None
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._sp.encode(text), dtype=np.int64)
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        ids = self._sp.encode(texts, num_threads=self._threads)
-        return [np.asarray(row, dtype=np.int64) for row in ids]
+        limit = self._piece_chars
+        short = [text for text in texts if limit is None or len(text) <= limit]
+        ids = iter(self._sp.encode(short, num_threads=self._threads) if short else [])
+        return [
+            np.asarray(next(ids), dtype=np.int64)
+            if limit is None or len(text) <= limit
+            else self._encode_in_pieces(text, limit)
+            for text in texts
+        ]
+
+    def _encode_in_pieces(self, text: str, size: int) -> np.ndarray:
+        """The ids of a long `text`, equal to encoding it whole, with memory bounded by a batch
+        of pieces rather than by the text."""
+        pieces = word_start_pieces(text, size)
+        batch = max(1, self._threads)
+        arrays = [
+            np.asarray(row, dtype=np.int64)
+            for start in range(0, len(pieces), batch)
+            for row in self._sp.encode(pieces[start : start + batch], num_threads=self._threads)
+        ]
+        return np.concatenate(arrays)
 
     def decode(self, ids: np.ndarray) -> str:
         return self._sp.decode(np.asarray(ids).tolist())
@@ -137,6 +162,42 @@ class HFTokenizer:
 
     def spec(self) -> dict[str, Any]:
         return model_file_spec(self.name, self.vocab_size, self.model_file)
+
+
+def cuts_at_word_starts(processor: Any) -> bool:
+    """Whether `word_start_pieces` encode exactly as the whole text with this SentencePiece
+    model: identity normalization that keeps every space (as `train_sentencepiece` writes), words
+    split at spaces, and a dummy prefix standing in for the space a piece leaves out."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except (ImportError, TypeError):  # no protobuf, or one its generated code does not suit
+        return False  # then encode whole, as before
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(processor.serialized_model_proto())
+    normalizer, trainer = model.normalizer_spec, model.trainer_spec
+    return (
+        normalizer.name == "identity"
+        and not normalizer.remove_extra_whitespaces
+        and normalizer.add_dummy_prefix
+        and trainer.split_by_whitespace
+        and not trainer.treat_whitespace_as_suffix
+    )
+
+
+def word_start_pieces(text: str, size: int) -> list[str]:
+    """`text` cut into pieces of about `size` characters, each cut at a space that begins a word
+    (after a non-space, and not the text's last character); the space itself is left out, since
+    SentencePiece's dummy prefix puts it back, so the pieces' ids concatenate to the whole
+    text's. Text without such a space stays one piece."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = WORD_START_SPACE.search(text, start + size)
+        if cut is None:
+            break
+        pieces.append(text[start : cut.start()])
+        start = cut.end()
+    pieces.append(text[start:])
+    return pieces
 
 
 def train_sentencepiece(
