@@ -144,3 +144,19 @@ def test_decoding_stops_once_every_row_has_ended():
     with jax.set_mesh(free.mesh):
         raw = np.asarray(run(state, jnp.asarray([prompt], jnp.int32), jax.random.key(0)))[0]
     assert raw.tolist() == ids[: first + 1] + [0] * (11 - first)
+
+
+def test_an_exported_sentencepiece_folder_generates_text(tmp_path, capsys):
+    """`trainer.export --format hf` of a SentencePiece run writes tokenizer.model, no
+    tokenizer.json; generate refused that folder ("no tokenizer") though export had written it."""
+    from input_pipeline.tokenizers import train_sentencepiece
+
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(UNTIED / name, folder / name)
+    lines = [f"def f{i}(x): return x * {i} + {i % 7}" for i in range(400)]
+    train_sentencepiece(lines, 300, folder / "tokenizer.model")
+    argv = ["--workdir", f"hf:{folder}", "--prompt", "def f1(x):", "--max-new-tokens", "4"]
+    assert generate.main([*argv, "--temperature", "0", "--compute", "float32"]) == 0
+    assert capsys.readouterr().out.startswith("def f1(x):")

@@ -25,7 +25,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from input_pipeline.corpora import BUILTIN_CORPORA, builtin_dataset_dir
 from input_pipeline.dataset_info import INFO_FILE, load_dataset_info
 from input_pipeline.errors import DataError
-from input_pipeline.tokenizers import HF_TOKENIZER_FILE, HFTokenizer, Tokenizer, get_tokenizer
+from input_pipeline.tokenizers import (
+    HF_TOKENIZER_FILE,
+    SENTENCEPIECE_FILE,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    get_tokenizer,
+)
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, DataConfig, load_config
 from trainer.errors import ConfigError, TrainingError
@@ -257,12 +264,20 @@ def _load_hf(folder: str, compute: str | None, devices) -> Generator:
     config = load_config(None, [f"checkpoint.init_from=hf:{folder}"])  # model.* of config.json
     read = functools.partial(model_spec(config.model.kind).hf.load_params, folder)
     generator = _load_model(config, compute, devices, read)
-    tokenizer = None
-    if (Path(folder) / HF_TOKENIZER_FILE).is_file():
-        tokenizer = HFTokenizer(Path(folder) / HF_TOKENIZER_FILE)
+    tokenizer = hf_folder_tokenizer(Path(folder))
     eos = read_hf_config(folder).get("eos_token_id")  # a list in chat models: stop at any
     eos = tuple(eos) if isinstance(eos, list) else eos
     return replace(generator, tokenizer=tokenizer, eos_id=_eos(tokenizer) if eos is None else eos)
+
+
+def hf_folder_tokenizer(folder: Path) -> Tokenizer | None:
+    """The tokenizer a Hugging Face folder carries: its `tokenizer.json`, else the SentencePiece
+    `tokenizer.model` that `trainer.export --format hf` writes for a SentencePiece dataset."""
+    if (folder / HF_TOKENIZER_FILE).is_file():
+        return HFTokenizer(folder / HF_TOKENIZER_FILE)
+    if (folder / SENTENCEPIECE_FILE).is_file():
+        return SentencePieceTokenizer(folder / SENTENCEPIECE_FILE)
+    return None
 
 
 def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) -> Generator:
@@ -323,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         generator = load_generator(args.workdir, args.step, args.compute)
         if generator.tokenizer is None:
             raise DataError(
-                f"no tokenizer for {args.workdir}: a Hugging Face folder needs tokenizer.json, "
-                "a run its dataset folder (data.path)"
+                f"no tokenizer for {args.workdir}: a Hugging Face folder needs tokenizer.json or "
+                "tokenizer.model, a run its dataset folder (data.path)"
             )
         text = _complete(generator, args)
     except (ConfigError, DataError, TrainingError) as err:
