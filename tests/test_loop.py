@@ -215,3 +215,32 @@ def test_a_steps_time_is_its_own_not_its_dispatch_nor_a_save_before_it(tmp_path,
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["step_time_s"] for r in rows if "loss" in r}
     assert times == {step: STEP_S for step in range(1, STEPS + 1)}
+
+
+@pytest.mark.slow
+def test_a_stop_between_evals_names_the_step_of_the_eval_loss_it_reports(
+    corpus, tmp_path, monkeypatch
+):
+    """A run stopped a step or more after an eval at step 5 ended with `eval_loss=...` alone,
+    read as the stopped step's loss; the last line now names the step the eval was measured at.
+    The stop lands up to two steps after the signal (steps in flight), never at an eval."""
+    import os
+    import signal
+
+    from trainer.main import finished_line
+
+    write = MetricsWriter.write
+
+    def stop_after_step_6(self, step, row, *args, **kwargs):
+        write(self, step, row, *args, **kwargs)
+        if step == 6 and "loss" in row:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsWriter, "write", stop_after_step_6)
+    config = tiny_run(corpus, tmp_path / "run", steps=40).derive(
+        {"eval.every": 5, "log.every": 1, "checkpoint.every": 100}
+    )
+    result = run(config)
+    assert result.eval_step == 5 < result.step < 10
+    line = finished_line(result, 40)
+    assert line.endswith(f"; eval_loss={result.eval_loss:.4f} (at step 5)"), line

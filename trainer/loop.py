@@ -46,6 +46,7 @@ class RunResult:
     step: int
     last_metrics: dict[str, float] = field(default_factory=dict)
     eval_loss: float | None = None
+    eval_step: int | None = None  # the step `eval_loss` was measured at
 
 
 @dataclass
@@ -281,7 +282,7 @@ class Loop:
                     with timing("eval"), watch("eval"):
                         eval_row = self._eval_metrics(state, stopped)
                     if eval_row is not None:
-                        result.eval_loss = eval_row["eval_loss"]
+                        result.eval_loss, result.eval_step = eval_row["eval_loss"], step
                         self.writer.write(step, eval_row)
                     else:  # a stop came while it waited for eval data: this step is the last
                         self._write_unlogged_line(step, progress)

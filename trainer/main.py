@@ -13,12 +13,16 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from input_pipeline.errors import DataError  # noqa: E402
 from trainer.config import Config, load_config  # noqa: E402
 from trainer.errors import ConfigError, TrainingError, exit_now  # noqa: E402
+
+if TYPE_CHECKING:
+    from trainer.loop import RunResult
 
 USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
@@ -85,11 +89,19 @@ def train(config: Config) -> str:
     except Stopped as stop:
         quiet_asyncio()
         return stop.line()
+    return finished_line(result, config.run.steps)
+
+
+def finished_line(result: RunResult, steps: int) -> str:
+    """The run's last line: its step, whether it stopped early, and its latest eval_loss, with
+    the step it was measured at when that is not the last one (a stop between evals)."""
     summary = f"finished at step {result.step}"
-    if result.step < config.run.steps:  # a stop request: the loop saved and said so
-        summary += f" of {config.run.steps}: stopped early, re-run the same command to resume"
+    if result.step < steps:  # a stop request: the loop saved and said so
+        summary += f" of {steps}: stopped early, re-run the same command to resume"
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
+        if result.eval_step is not None and result.eval_step != result.step:
+            summary += f" (at step {result.eval_step})"
     return summary
 
 
