@@ -452,6 +452,18 @@ def signalled_early(folder: Path, signal_name: str, before: str) -> dict[str, st
     return {"BASH_ENV": str(hook), "SIGNAL_BEFORE": before}
 
 
+def script_in_fake_slurm(repo_root, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """launch/slurm.sbatch run by bash alone, with `fake_slurm`'s commands (`env`)."""
+    return subprocess.run(
+        ["bash", "launch/slurm.sbatch", "run.steps=1"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_a_warning_while_the_script_checks_its_knobs_stops_the_step_once_it_starts(
     repo_root, tmp_path
 ):
@@ -462,14 +474,7 @@ def test_a_warning_while_the_script_checks_its_knobs_stops_the_step_once_it_star
     job requeues itself as for any warning during the tasks' start-up."""
     env = fake_slurm(tmp_path)
     env.update(signalled_early(tmp_path, "USR1", before="command -v "))
-    done = subprocess.run(
-        ["bash", "launch/slurm.sbatch", "run.steps=1"],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = script_in_fake_slurm(repo_root, env)
     assert done.returncode == 0, done.stderr
     lines = [x for x in done.stderr.splitlines() if x.startswith("slurm.sbatch: ")]
     assert lines[0].startswith("slurm.sbatch: time limit near (SIGUSR1): asking every task"), lines
@@ -490,14 +495,7 @@ def test_a_sigterm_right_after_the_scripts_temporary_file_is_made_removes_it(rep
     mktemp = shutil.which("mktemp")
     fake_mktemp = f'#!/bin/sh\n{mktemp} "$@"\nkill -TERM $PPID\n'  # made, then the SIGTERM
     env = fake_slurm(tmp_path, mktemp=fake_mktemp)
-    done = subprocess.run(
-        ["bash", "launch/slurm.sbatch", "run.steps=1"],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = script_in_fake_slurm(repo_root, env)
     assert done.returncode == -signal.SIGTERM, done.stderr
     assert not (tmp_path / "srun.pid").exists(), "srun never started"
     assert not list((tmp_path / "tmp").iterdir()), done.stderr
