@@ -134,6 +134,16 @@ def test_nothing_takes_the_port_local_sh_chose_before_process_0_listens(tmp_path
     assert sorted(done.stdout.split("\n")[:-1]) == ["process 0 joined", "process 1 joined"]
 
 
+# Runs the command in argv with SIGINT's default action, as a terminal's job has it (a test
+# worker may ignore SIGINT, which its children inherit); not a `preexec_fn`, which makes
+# subprocess fork the test's multithreaded process (JAX warns: it may deadlock).
+WITH_CTRL_C = """\
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
 def test_ctrl_c_ends_the_launcher_with_its_processes_and_the_port_holder_quietly(
     tmp_path, repo_root
 ):
@@ -149,11 +159,10 @@ def test_ctrl_c_ends_the_launcher_with_its_processes_and_the_port_holder_quietly
     log = tmp_path / "local.log"
     with log.open("w") as stderr:
         launcher = subprocess.Popen(
-            [str(repo_root / "launch/local.sh"), "2"],
+            [sys.executable, "-c", WITH_CTRL_C, str(repo_root / "launch/local.sh"), "2"],
             env=env,
             stderr=stderr,
             start_new_session=True,  # its own group, as a terminal's foreground job has
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         deadline = time.monotonic() + 60
