@@ -906,6 +906,33 @@ except TrainingError as err:
 """
 
 
+def on_two_joined_processes(
+    repo_root: Path, args: list[list[str]], devices: int
+) -> tuple[list[int], list[str]]:
+    """Python run with `args[i]` as process i of 2, joined on a reserved port with `devices`
+    CPU devices each: their exit statuses, and what each printed (stdout and stderr)."""
+    with reserved_port() as port:
+        env = cpu_env(
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAX_NUM_PROCESSES="2",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+            PYTHONPATH=str(repo_root),
+        )
+        procs = [
+            subprocess.Popen(
+                [sys.executable, *process_args],
+                cwd=repo_root,
+                env={**env, "JAX_PROCESS_ID": str(i)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i, process_args in enumerate(args)
+        ]
+        printed = [p.communicate(timeout=120)[0] for p in procs]
+    return [p.returncode for p in procs], printed
+
+
 def test_processes_given_different_configs_or_workdirs_are_told_so(tmp_path, repo_root):
     """Another `run.workdir` on one process, or the same path on a host-local disk, hangs the
     first checkpoint save; every process says so instead (and the shared folder is left clean).
@@ -917,26 +944,10 @@ def test_processes_given_different_configs_or_workdirs_are_told_so(tmp_path, rep
     script = tmp_path / "agree.py"
     script.write_text(AGREE_ON_CONFIG)
     said = [tmp_path / f"said{i}.txt" for i in range(2)]
-    with reserved_port() as port:
-        env = cpu_env(
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
-            PYTHONPATH=str(repo_root),
-        )
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path), str(said[i])],
-                cwd=repo_root,
-                env={**env, "JAX_PROCESS_ID": str(i)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
-        printed = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], printed
+    statuses, printed = on_two_joined_processes(
+        repo_root, [[str(script), str(tmp_path), str(said[i])] for i in range(2)], devices=2
+    )
+    assert statuses == [0, 0], printed
     assert [path.read_text().splitlines() for path in said] == [
         [
             "same configs agree",
@@ -1185,26 +1196,10 @@ def test_a_callers_own_batches_are_not_compared_across_processes(tmp_path, repo_
     assert check_same_data("a3fb9c61e7a204d6", "data.path", "data/web") is None
     script, said = tmp_path / "agree.py", [tmp_path / f"said{i}.txt" for i in range(2)]
     script.write_text(AGREE_ON_DATA)
-    with reserved_port() as port:
-        env = cpu_env(
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-            JAX_NUM_PROCESSES="2",
-            XLA_FLAGS="--xla_force_host_platform_device_count=1",
-            PYTHONPATH=str(repo_root),
-        )
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(said[i])],
-                cwd=repo_root,
-                env={**env, "JAX_PROCESS_ID": str(i)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
-        printed = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], printed
+    statuses, printed = on_two_joined_processes(
+        repo_root, [[str(script), str(said[i])] for i in range(2)], devices=1
+    )
+    assert statuses == [0, 0], printed
     fix = (
         "give every host the same prepared dataset: copy it to each host again, or point "
         "data.mixture at storage every host mounts (NFS, Lustre, ...)"
