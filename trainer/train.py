@@ -4,7 +4,7 @@ manager, writers), then the loop (`trainer.loop`)."""
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -79,7 +79,11 @@ def run(
         check_same_config(config.to_dict())  # several processes: one config, one shared workdir
         check_shared_workdir(config.run.workdir)
         mesh, pipeline = sharding.make_mesh(config.mesh), pipeline_spec(config)
-        sources = open_same_data(config, mesh, pipeline, model, data, eval_data)
+        sources = open_same_data(
+            config.data,
+            lambda: open_data(config, mesh, pipeline, model, data, eval_data),
+            prepared=data is None,
+        )
         vocab_size = config.model.vocab_size or sources.vocab_size or 0
         spec, build = run_model(config, model, sources.vocab_size or 0)
         program = build_program(config, mesh, build, loss_fn or next_token_loss)
@@ -154,22 +158,17 @@ def open_data(
 
 
 def open_same_data(
-    config: Config,
-    mesh: Mesh,
-    pipeline: PipelineSpec | None,
-    model: Any,
-    data: Any,
-    eval_data: Any,
+    data: DataConfig, open_sources: Callable[[], DataSources], prepared: bool
 ) -> DataSources:
-    """`open_data`, checked to be the same prepared dataset on every process (a caller's batches
-    are each host's own rows); a process whose data does not open stops the others too."""
-    setting = data_setting(config.data)
+    """`open_sources()`, checked to be the same `prepared` dataset on every process (a caller's
+    batches are each host's own rows); a process whose data does not open stops the others too."""
+    setting = data_setting(data)
     try:
-        sources = open_data(config, mesh, pipeline, model, data, eval_data)
+        sources = open_sources()
     except (ConfigError, DataError, TrainingError):
         check_same_data(DATA_NOT_OPENED, *setting)  # the others stop; this one says why
         raise
-    check_same_data(sources.fingerprint if data is None else None, *setting)
+    check_same_data(sources.fingerprint if prepared else None, *setting)
     return sources
 
 
