@@ -38,9 +38,8 @@ class UnreadableRecords:
     those: once all are unreadable it checks the rest once, and either ends its reads (another
     worker reads the readable ones) or raises the same `DataError`."""
 
-    def __init__(self, num_records: int, name: str, share: int | None = None):
-        self.num_records, self.name = num_records, name
-        self.share = num_records if share is None else share
+    def __init__(self, num_records: int, name: str, share: int):
+        self.num_records, self.name, self.share = num_records, name, share
         self.readable = False
         self.share_unreadable = False  # every record this worker reaches is, others are not
         self._seen: np.ndarray | None = None  # one bit per record found unreadable

@@ -78,7 +78,7 @@ def host_shards(
 
 
 def grain_records(
-    paths: list[str], vocab_size: int, reading: Reading, listed: dict[str, int] | None = None
+    paths: list[str], vocab_size: int, reading: Reading, listed: dict[str, int]
 ) -> grain.IterDataset:
     """Decoded `{"inputs", "targets"}` records of TFRecord shards `paths`, read by Grain;
     `listed`: the records dataset.json lists per shard, which a shard read whole must hold."""
@@ -89,7 +89,6 @@ def grain_records(
         paths, in_order=not reading.shuffle, workers=reading.workers, reader=reader_name(reading)
     )
     skips = SkipLog(reading.skip_log)  # shared by this reader's shards of every epoch
-    listed = listed or {}
 
     def shard(path: str) -> TFRecordShard:
         return TFRecordShard(

@@ -281,14 +281,14 @@ def make_tokenizer(
     )
 
 
-def get_tokenizer(spec: dict[str, Any] | str, folder: str | Path | None = None) -> Tokenizer:
+def get_tokenizer(spec: dict[str, Any], folder: str | Path) -> Tokenizer:
     """The tokenizer named by the `tokenizer` entry of a dataset folder's dataset.json."""
-    kind = spec if isinstance(spec, str) else spec.get("kind")
+    kind = spec.get("kind")
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "sentencepiece" and isinstance(spec, dict) and folder is not None:
+    if kind == "sentencepiece":
         return SentencePieceTokenizer(Path(folder) / spec.get("model", SENTENCEPIECE_FILE))
-    if kind == HFTokenizer.name and isinstance(spec, dict) and folder is not None:
+    if kind == HFTokenizer.name:
         return HFTokenizer(Path(folder) / spec.get("model", HF_TOKENIZER_FILE))
     raise DataError(f"unknown tokenizer {kind!r}; this version supports byte, sentencepiece and hf")
 

@@ -153,12 +153,10 @@ def caller_builder(factory: Callable[..., nnx.Module]) -> Builder:
     )
 
 
-def abstract_params(
-    config: Config, mesh: Mesh, vocab_size: int | None = None
-) -> tuple[ModelSkeleton, Any]:
+def abstract_params(config: Config, mesh: Mesh) -> tuple[ModelSkeleton, Any]:
     """The configured model's skeleton (it merges parameters into a module) and its parameters'
     shapes, dtypes and shardings on `mesh`: a restore target, with no weight allocated."""
     rules = sharding.resolve_rules(config.mesh.rules)
     with jax.set_mesh(mesh):
-        skeleton, shapes, _ = abstract_model(builder_for_vocab(config, vocab_size), mesh, rules)
+        skeleton, shapes, _ = abstract_model(builder_for_vocab(config), mesh, rules)
     return skeleton, with_shardings(shapes, skeleton.param_shardings)
