@@ -4,10 +4,12 @@ parameters-only checkpoint that plain Orbax reads without this project's code:
     import orbax.checkpoint as ocp
     params = ocp.StandardCheckpointer().restore(DIR)   # nested dict of arrays
 
-With `--format hf`, DIR is a Hugging Face Llama folder (config.json, safetensors, and the
-tokenizer the dataset was prepared with: `tokenizer.json` for `hf`, `tokenizer.model` for
-SentencePiece; byte-level data has none) that `transformers.LlamaForCausalLM.from_pretrained(DIR)`
-loads.
+With `--format hf`, DIR is a Hugging Face Llama folder that
+`transformers.LlamaForCausalLM.from_pretrained(DIR)` loads: config.json, safetensors, and the
+dataset's tokenizer (`tokenizer.json` for `hf`, `tokenizer.model` for SentencePiece, a byte-level
+`tokenizer.json` for byte data) with a `tokenizer_config.json`, so that
+`transformers.AutoTokenizer.from_pretrained(DIR)` gives the ids the training data has (no BOS or
+EOS the data did not have).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,15 +27,14 @@ import orbax.checkpoint as ocp
 
 from input_pipeline.errors import DataError
 from trainer.checkpoint import Checkpointer
-from trainer.config import Config, DataConfig
+from trainer.config import Config
 from trainer.errors import ConfigError, TrainingError
 from trainer.generate import run_tokenizer
 from trainer.hf.config import CONFIG_FILE, UNSET_CONTEXT
+from trainer.hf.tokenizer import write_tokenizer
 from trainer.models import abstract_params, model_spec
 from trainer.models.spec import HfAdapter
 from trainer.parallel import sharding
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def export_params(
@@ -93,7 +93,7 @@ def write_hf_folder(out: Path, params: Any, config: Config, adapter: HfAdapter) 
     model = _covering_context(config).model
     hf = adapter.config_json(model, model.vocab_size, config.precision.params)
     adapter.save_weights(params, out)
-    hf.update(_copy_tokenizer(config.data, out))
+    hf.update(write_tokenizer(run_tokenizer(config.data), out, hf["max_position_embeddings"]))
     (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     return out
 
@@ -105,26 +105,6 @@ def _covering_context(config: Config) -> Config:
     if config.model.max_seq_len or config.data.seq_len <= UNSET_CONTEXT:
         return config
     return config.derive({"model.max_seq_len": config.data.seq_len})
-
-
-def _copy_tokenizer(data: DataConfig, out: Path) -> dict[str, Any]:
-    """The dataset's tokenizer files copied into `out`; returns the special ids they name."""
-    tokenizer = run_tokenizer(data)
-    model_file = getattr(tokenizer, "model_file", None)
-    if model_file is None:
-        print(
-            "warning: no tokenizer written (byte-level data, or the dataset folder is gone)",
-            file=sys.stderr,
-        )
-        return {}
-    for name in TOKENIZER_FILES:
-        if (Path(model_file).parent / name).is_file():
-            shutil.copyfile(Path(model_file).parent / name, out / name)
-    ids = {
-        "bos_token_id": getattr(tokenizer, "bos_id", None),
-        "eos_token_id": getattr(tokenizer, "eos_id", None),
-    }
-    return {key: value for key, value in ids.items() if value is not None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,221 @@
+"""The tokenizer files `trainer.export --format hf` writes make `transformers.AutoTokenizer` give
+exactly the ids `prepare` wrote, for every kind of dataset tokenizer: checked against what the
+real transformers (4.x and 5.x) gave for these same files (tests/fixtures/hf_tokenizers/,
+made by tests/fixtures/make_hf_tokenizer_fixture.py), since the tests cannot import it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from input_pipeline.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    get_tokenizer,
+)
+from trainer.hf.tokenizer import (
+    byte_level_alphabet,
+    byte_tokenizer_json,
+    other_tokenizer_warning,
+    write_tokenizer,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EXPECTED = json.loads((FIXTURES / "hf_tokenizers" / "expected.json").read_text())
+SENTENCEPIECE_MODEL = FIXTURES / "hf_tokenizers" / "sentencepiece.model"
+HF_TOKENIZER_JSON = FIXTURES / "hf_tiny_llama" / "tokenizer.json"
+KINDS = ("byte", "sentencepiece", "hf")
+REMAKE = "; if meant, remake the fixture (tests/fixtures/make_hf_tokenizer_fixture.py)"
+
+
+def bare_hf_folder(folder: Path) -> Path:
+    """A folder holding hf_tiny_llama's tokenizer.json alone, as `--tokenizer hf:` copies a
+    folder without a tokenizer_config.json."""
+    folder.mkdir()
+    shutil.copyfile(HF_TOKENIZER_JSON, folder / "tokenizer.json")
+    return folder
+
+
+def dataset_tokenizer(kind: str, tmp_path: Path) -> Tokenizer:
+    """The tokenizer `prepare` uses for `kind`, the fixture's."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer(SENTENCEPIECE_MODEL)
+    return HFTokenizer(bare_hf_folder(tmp_path / "source") / "tokenizer.json")
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_fixture_holds_transformers_4_and_5():
+    for kind in KINDS:
+        majors = {v.split(".")[0] for v in EXPECTED["kinds"][kind]["transformers"]}
+        assert majors == {"4", "5"}, kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_written_files_are_those_transformers_tokenized_as_prepare(kind, tmp_path):
+    """The files written now are the ones the fixture ran transformers on, and transformers gave
+    our tokenizer's ids (no BOS or EOS the data never had) and our decode for every text."""
+    tokenizer = dataset_tokenizer(kind, tmp_path)
+    out = tmp_path / "export"
+    out.mkdir()
+    special_ids = write_tokenizer(tokenizer, out, EXPECTED["context"])
+    expected = EXPECTED["kinds"][kind]
+
+    written = json.loads((out / "tokenizer_config.json").read_text())
+    assert written == expected["tokenizer_config"], f"tokenizer_config.json changed{REMAKE}"
+    files = {f.name: sha256(f) for f in out.iterdir() if f.name != "tokenizer_config.json"}
+    assert files == expected["files"], f"tokenizer files changed{REMAKE}"
+    assert special_ids == expected["special_ids"]
+
+    ours = [tokenizer.encode(text).tolist() for text in EXPECTED["texts"]]
+    decoded = [tokenizer.decode(np.asarray(ids)) for ids in ours]
+    for version, theirs in expected["transformers"].items():
+        for text, want, got in zip(EXPECTED["texts"], ours, theirs["ids"], strict=True):
+            assert got == want, f"transformers {version}, {kind}, {text!r}"
+        assert theirs["decoded"] == decoded, f"transformers {version}, {kind}"
+
+
+def test_sentencepiece_config_keeps_transformers_from_adding_a_bos():
+    """Hand-checked in transformers 4.57.6: a bare tokenizer.model became a LlamaTokenizerFast
+    with add_bos_token=True, every text one id 1 longer than the training data's."""
+    config = EXPECTED["kinds"]["sentencepiece"]["tokenizer_config"]
+    assert (config["add_bos_token"], config["add_eos_token"]) == (False, False)
+    assert config["split_special_tokens"] is True  # "<s>" typed in a text is text, as in prepare
+    assert "tokenizer_class" not in config  # 5.24's LlamaTokenizer drops a leading space
+    assert EXPECTED["kinds"]["sentencepiece"]["special_ids"] == {
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain ascii",
+        "  two leading spaces and a tab\t",
+        "naïve café 漢字 🚀",
+        "".join(chr(c) for c in range(1, 0x800, 7)),
+    ],
+)
+def test_byte_tokenizer_json_encodes_the_utf8_bytes(text):
+    """Run by the `tokenizers` library, as transformers runs it."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    rust = RustTokenizer.from_str(json.dumps(byte_tokenizer_json()))
+    ids = rust.encode(text).ids
+    assert ids == ByteTokenizer().encode(text).tolist()
+    assert rust.decode(ids) == text
+
+
+def test_byte_tokenizer_json_decodes_broken_utf8_as_byte_tokenizer():
+    """A generated byte sequence need not be valid UTF-8: both replace alike."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    rust = RustTokenizer.from_str(json.dumps(byte_tokenizer_json()))
+    rng = np.random.default_rng(0)
+    rows = [[0xE2, 0x82], [0xE2, 0x82, 0x61], [0xED, 0xA0, 0x80], [0xC0, 0xAF], list(range(256))]
+    rows += [rng.integers(0, 256, 40).tolist() for _ in range(50)]
+    for row in rows:
+        assert rust.decode(row) == ByteTokenizer().decode(np.asarray(row)), row
+
+
+def test_byte_level_alphabet_is_the_pre_tokenizers():
+    from tokenizers import pre_tokenizers
+
+    alphabet = byte_level_alphabet()
+    assert len(set(alphabet)) == 256
+    assert set(alphabet) == set(pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_a_sentencepiece_model_unlike_llamas_is_named(tmp_path, capfd):
+    """Hand-checked: transformers 4.57.6's LlamaTokenizerFast converts any tokenizer.model as
+    Llama's, and gave other ids for 11 of 18 texts with SentencePiece's default nmt_nfkc
+    normalization (5.24.0 gave the training data's)."""
+    import sentencepiece as spm
+
+    lines = ["The quick brown fox jumps over the lazy dog.", "def add(a, b): return a + b"] * 50
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(tmp_path / "nfkc"),
+        vocab_size=80,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    out = tmp_path / "export"
+    out.mkdir()
+    write_tokenizer(SentencePieceTokenizer(tmp_path / "nfkc.model"), out, 64)
+    assert capfd.readouterr().err == (
+        "warning: nfkc.model normalizes text unlike Llama's (name=nmt_nfkc, "
+        "remove_extra_whitespaces=True); transformers 5 tokenizes it as the training data was, "
+        "transformers 4's LlamaTokenizerFast (which converts it as Llama's) does not\n"
+    )
+    write_tokenizer(SentencePieceTokenizer(SENTENCEPIECE_MODEL), tmp_path, 64)  # prepare's own
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_export_gives_transformers_the_training_datas_ids(kind, tmp_path):
+    """Before: a SentencePiece export had only tokenizer.model (transformers 4.x added a BOS to
+    every text), a byte-level one no tokenizer at all (AutoTokenizer failed), and an `hf:` one
+    from a folder without tokenizer_config.json a LlamaTokenizerFast with a BOS id the data never
+    had; config.json named no bos/eos ids, so transformers took 1 and 2 (a stop at byte 0x02)."""
+    from input_pipeline.prepare import prepare_dataset
+    from trainer.config import load_config
+    from trainer.export import export_params
+    from trainer.generate import hf_folder_tokenizer
+    from trainer.train import run
+
+    choice = {
+        "byte": "byte",
+        "sentencepiece": str(SENTENCEPIECE_MODEL),
+        "hf": f"hf:{bare_hf_folder(tmp_path / 'source')}",
+    }[kind]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [f.read_text(errors="replace")[:4000] for f in sorted(stdlib.glob("*.py"))[:12]]
+    data = prepare_dataset(texts, tmp_path / "data", tokenizer=choice, progress=False)
+    overrides = [*TINY, f"data.path={data}", f"run.workdir={tmp_path / 'work'}", "eval.every=100"]
+    run(load_config(None, [*overrides, "run.steps=1"]))
+    out = export_params(tmp_path / "work", tmp_path / "hf", format="hf")
+
+    expected = EXPECTED["kinds"][kind]
+    for name, digest in expected["files"].items():
+        assert (out / name).is_file() and sha256(out / name) == digest, name
+    assert (out / "tokenizer_config.json").is_file()
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    assert settings == {**expected["tokenizer_config"], "model_max_length": 4096}
+    config = json.loads((out / "config.json").read_text())
+    ids = {key: config.get(key, "absent") for key in expected["special_ids"]}
+    assert ids == expected["special_ids"]  # null: no token, not transformers' default 1 and 2
+    again = hf_folder_tokenizer(out)  # what `trainer.generate --workdir hf:OUT` encodes with
+    ours = get_tokenizer(json.loads((data / "dataset.json").read_text())["tokenizer"], data)
+    for text in EXPECTED["texts"]:
+        assert again.encode(text).tolist() == ours.encode(text).tolist(), text
+
+
+def test_a_start_from_a_byte_level_export_on_byte_level_data_does_not_warn(tmp_path):
+    """A byte-level export now carries a tokenizer.json: continuing from it on byte-level data
+    was warned that the data 'was tokenized with another (byte)'."""
+    write_tokenizer(ByteTokenizer(), tmp_path, 64)
+    assert other_tokenizer_warning(f"hf:{tmp_path}", ByteTokenizer()) is None
+    other = SentencePieceTokenizer(SENTENCEPIECE_MODEL)
+    assert "tokenized with another (sentencepiece)" in other_tokenizer_warning(
+        f"hf:{tmp_path}", other
+    )
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copyfile(HF_TOKENIZER_JSON, hf / "tokenizer.json")
+    assert "tokenized with another (byte)" in other_tokenizer_warning(f"hf:{hf}", ByteTokenizer())
