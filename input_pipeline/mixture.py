@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from input_pipeline.device import in_own_memory
 from input_pipeline.errors import DataError
 from input_pipeline.streams import close_readers
 
@@ -67,7 +68,8 @@ class MixedStream:
         processes lies in shared memory, which Grain unlinks once the batch is dropped, and the
         batch in hand is dropped only at the exit (Python's resource tracker then warned of
         "leaked shared_memory objects" after the run's last line)."""
-        return {key: np.array(value) for key, value in next(self.iterators[name]).items()}
+        batch = next(self.iterators[name])
+        return {key: in_own_memory(np.asarray(value)) for key, value in batch.items()}
 
     def _take_row(self, name: str) -> dict[str, np.ndarray]:
         batch = self._in_hand[name]

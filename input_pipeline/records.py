@@ -17,7 +17,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from input_pipeline.dataset_info import INFO_FILE, sha256_of
-from input_pipeline.errors import DataError
+from input_pipeline.errors import DataError, damaged_shard
 
 # group_size:1 keeps every record independently addressable: global shuffles stay cheap.
 WRITER_OPTIONS = "group_size:1"
@@ -387,8 +387,5 @@ def available_memory() -> int:
 def _corrupt_message(path: str, err: Exception) -> str:
     lines = str(err).splitlines()
     reason = lines[0][:120] if lines else "unreadable index"
-    return (
-        f"shard {path} is corrupt or truncated ({reason}); re-run python -m "
-        "input_pipeline.prepare --overwrite, or set data.skip_corrupt=true to skip unreadable "
-        "records"
-    )
+    fix = "--overwrite, or set data.skip_corrupt=true to skip unreadable records"
+    return damaged_shard(path, reason, fix)

@@ -24,16 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from input_pipeline.atomic import write_json
 from input_pipeline.documents import Piece, piece_documents
 from input_pipeline.errors import DataError
 from input_pipeline.records import Codec, ShardSet, arrayrecord_codec, split_long
-from input_pipeline.tokenizers import (
-    HF_TOKENIZER_FILE,
-    ByteTokenizer,
-    HFTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-)
+from input_pipeline.tokenizers import ByteTokenizer, Tokenizer, tokenizer_from_file
 
 DONE_FILE = "done.json"
 ENCODE_BATCH = 256  # documents per tokenizer call
@@ -57,9 +52,7 @@ class Recipe:
     def tokenizer(self, threads: int | None = None) -> Tokenizer:
         if self.tokenizer_file is None:
             return ByteTokenizer()
-        if Path(self.tokenizer_file).name == HF_TOKENIZER_FILE:
-            return HFTokenizer(self.tokenizer_file)
-        return SentencePieceTokenizer(self.tokenizer_file, threads=threads)
+        return tokenizer_from_file(self.tokenizer_file, threads)
 
     def codec(self) -> Codec:
         if self.format == "tfrecord":
@@ -267,10 +260,3 @@ def merge_groups(staging: Path, count: int, recipe: Recipe) -> tuple[dict[str, A
         splits[split] = _split_entry(documents[split], shards)
     # a group finished by a version that did not count null texts has none listed
     return splits, sum(manifest.get("null_texts", 0) for manifest in manifests)
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Atomically: a reader sees the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=2))
-    os.replace(tmp, path)

@@ -24,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from input_pipeline.atomic import write_json
 from input_pipeline.dataset_info import INFO_FILE, NULL_TEXTS
 from input_pipeline.documents import Piece
 from input_pipeline.errors import DataError
@@ -34,7 +35,6 @@ from input_pipeline.shard_groups import (
     merge_groups,
     prepare_file_group,
     run_file_group,
-    write_json,
 )
 from input_pipeline.tokenizers import (
     HF_PREFIX,

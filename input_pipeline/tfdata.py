@@ -26,7 +26,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from input_pipeline.errors import DataError
+from input_pipeline.errors import DataError, damaged_shard
 from input_pipeline.reading import Reading
 from input_pipeline.tfrecords import (
     FEATURE,
@@ -260,8 +260,5 @@ def _reason(err: Exception) -> str:
 
 
 def _damaged(path: str, reason: str) -> str:
-    return (
-        f"shard {path} is corrupt or truncated ({reason}); re-run python -m "
-        "input_pipeline.prepare --format tfrecord --overwrite (data.skip_corrupt needs "
-        "data.reader=grain)"
-    )
+    fix = "--format tfrecord --overwrite (data.skip_corrupt needs data.reader=grain)"
+    return damaged_shard(path, reason, fix)

@@ -25,7 +25,7 @@ import grain
 import numpy as np
 
 from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
-from input_pipeline.errors import DataError
+from input_pipeline.errors import DataError, damaged_shard
 from input_pipeline.reading import Reading
 from input_pipeline.records import Codec, SkipLog
 from input_pipeline.shares import EndOfShare, ShareUnreadable, worker_share
@@ -448,8 +448,5 @@ def wrong_example(path: str, where: str, problem: str) -> str:
 
 
 def _damaged(path: str, reason: str) -> str:
-    return (
-        f"shard {path} is corrupt or truncated ({reason}); re-run python -m "
-        "input_pipeline.prepare --format tfrecord --overwrite, or set data.skip_corrupt=true "
-        "(data.reader=grain) to skip unreadable records"
-    )
+    fix = "--format tfrecord --overwrite, or set data.skip_corrupt=true (data.reader=grain)"
+    return damaged_shard(path, reason, f"{fix} to skip unreadable records")

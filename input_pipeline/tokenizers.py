@@ -286,11 +286,18 @@ def get_tokenizer(spec: dict[str, Any], folder: str | Path) -> Tokenizer:
     kind = spec.get("kind")
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(Path(folder) / spec.get("model", SENTENCEPIECE_FILE))
-    if kind == HFTokenizer.name:
-        return HFTokenizer(Path(folder) / spec.get("model", HF_TOKENIZER_FILE))
+    default_file = {"sentencepiece": SENTENCEPIECE_FILE, HFTokenizer.name: HF_TOKENIZER_FILE}
+    if kind in default_file:  # the "model" prepare records is always the kind's default name
+        return tokenizer_from_file(Path(folder) / spec.get("model", default_file[kind]))
     raise DataError(f"unknown tokenizer {kind!r}; this version supports byte, sentencepiece and hf")
+
+
+def tokenizer_from_file(model_file: str | Path, threads: int | None = None) -> Tokenizer:
+    """The tokenizer a model file holds, told by its name: a Hugging Face `tokenizer.json`, else
+    a SentencePiece model (`threads`: its encoding threads)."""
+    if Path(model_file).name == HF_TOKENIZER_FILE:
+        return HFTokenizer(model_file)
+    return SentencePieceTokenizer(model_file, threads=threads)
 
 
 def model_file_spec(kind: str, vocab_size: int, model_file: Path) -> dict[str, Any]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from input_pipeline.atomic import write_json
 
 VERIFIED_FILE = "verified-shards.json"  # in the cache folder (`corpora.default_cache_dir`)
 
@@ -45,10 +46,6 @@ class VerifiedShards:
         next time)."""
         try:
             self.record.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(
-                "w", dir=self.record.parent, prefix=f".{self.record.name}.", delete=False
-            ) as out:
-                json.dump(self._entries, out)
-            os.replace(out.name, self.record)
+            write_json(self.record, self._entries, indent=None)
         except OSError:
             pass

@@ -95,7 +95,7 @@ def test_a_cache_larger_than_memory_is_one_line(monkeypatch, capsys):
     """A 10^7-token cache (1.2 GiB on each of the 8 CPU devices) on a host with 1 GiB left: it
     raised RESOURCE_EXHAUSTED with a traceback, or XLA:CPU aborted the process. Nothing is
     allocated here: the check comes first."""
-    monkeypatch.setattr(generate, "_host_memory_available", lambda: 2**30)
+    monkeypatch.setattr(generate, "available_memory", lambda: 2**30)
     argv = ["--workdir", f"hf:{UNTIED}", "--prompt", "def", "--max-new-tokens", "10000000"]
     assert generate.main(argv) == 2
     assert error_line(capsys) == (

@@ -25,13 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from input_pipeline.corpora import BUILTIN_CORPORA, builtin_dataset_dir
 from input_pipeline.dataset_info import INFO_FILE, load_dataset_info
 from input_pipeline.errors import DataError
+from input_pipeline.records import available_memory
 from input_pipeline.tokenizers import (
     HF_TOKENIZER_FILE,
     SENTENCEPIECE_FILE,
-    HFTokenizer,
-    SentencePieceTokenizer,
     Tokenizer,
     get_tokenizer,
+    tokenizer_from_file,
 )
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, DataConfig, load_config
@@ -94,23 +94,13 @@ def check_cache_fits(generator: Generator, length: int) -> None:
     device = generator.mesh.local_devices[0]  # samples in training: the run's mesh, all hosts
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit is None:  # CPU devices: each holds a copy, all in the host's memory
-        limit, need = _host_memory_available(), need * generator.mesh.size
+        limit, need = available_memory(), need * generator.mesh.size
     if need > limit:  # the cache alone: decoding needs more, which XLA may still refuse
         raise TrainingError(
             f"a key/value cache of {length} positions needs {need / 2**30:.1f} GiB, more than "
             f"the devices' {limit / 2**30:.1f} GiB; lower --max-new-tokens (eval.sample_tokens "
             "for samples in training) or shorten the prompt"
         )
-
-
-def _host_memory_available() -> int:
-    """Bytes the host can still give (Linux's MemAvailable; elsewhere its physical memory)."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 _MAX_POSITION = 2**31 - 1  # positions are int32 on the device
@@ -273,10 +263,9 @@ def _load_hf(folder: str, compute: str | None, devices) -> Generator:
 def hf_folder_tokenizer(folder: Path) -> Tokenizer | None:
     """The tokenizer a Hugging Face folder carries: its `tokenizer.json`, else the SentencePiece
     `tokenizer.model` that `trainer.export --format hf` writes for a SentencePiece dataset."""
-    if (folder / HF_TOKENIZER_FILE).is_file():
-        return HFTokenizer(folder / HF_TOKENIZER_FILE)
-    if (folder / SENTENCEPIECE_FILE).is_file():
-        return SentencePieceTokenizer(folder / SENTENCEPIECE_FILE)
+    for name in (HF_TOKENIZER_FILE, SENTENCEPIECE_FILE):
+        if (folder / name).is_file():
+            return tokenizer_from_file(folder / name)
     return None
 
 

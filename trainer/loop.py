@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from input_pipeline.device import DeviceFeed
-from input_pipeline.packing import FIELDS
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, DataConfig
 from trainer.data import DataSources
@@ -114,11 +113,7 @@ def check_mixture_eval_step(data: DataConfig, program: TrainProgram, sources: Da
     abstract state and batch (nothing is read or computed). Free without a mixture's evals."""
     if not sources.make_evals:
         return
-    rows_x_len = (data.global_batch_size, data.seq_len)
-    batch = {  # what every eval batch of prepared data is (`input_pipeline.packing`)
-        name: jax.ShapeDtypeStruct(rows_x_len, dtype, sharding=program.batch_sharding)
-        for name, dtype in FIELDS.items()
-    }
+    batch = program.abstract_batch(data.global_batch_size, data.seq_len)
     with jax.set_mesh(program.mesh):
         out = jax.eval_shape(program.eval_step, program.abstract_state(), batch)
     check_mixture_eval_names(["loss", *out["aux_sums"]], list(sources.make_evals))

@@ -4,7 +4,7 @@ compare meshes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from input_pipeline.packing import FIELDS
 from trainer.config import Config
 from trainer.loss_scale import LossScaling
 from trainer.optimizer import decay_mask, make_optimizer
@@ -52,6 +53,16 @@ class TrainProgram:
     def abstract_state(self) -> TrainState:
         """Shapes + target shardings: what a checkpoint restore writes into."""
         return abstract_state(self.shardings, self.init_fn)
+
+    def abstract_batch(
+        self, rows: int, seq_len: int, fields: Mapping[str, type] = FIELDS
+    ) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes, dtypes and sharding of a packed batch (`input_pipeline.packing`): what the
+        steps are traced with when nothing is read."""
+        return {
+            name: jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=self.batch_sharding)
+            for name, dtype in fields.items()
+        }
 
     def stepper(
         self, in_place: bool | None = None

@@ -101,10 +101,7 @@ def measure(
         program = build_program(config, mesh, builder_for_vocab(config, vocab))
         state = program.abstract_state()
         fields = {k: v for k, v in FIELDS.items() if k != "segment_ids" or not one_document_per_row}
-        batch = {
-            name: jax.ShapeDtypeStruct((rows, seq_len), dtype, sharding=program.batch_sharding)
-            for name, dtype in fields.items()
-        }
+        batch = program.abstract_batch(rows, seq_len, fields)
         with jax.set_mesh(mesh):
             traced = program.train_step.trace(state, batch)
             if target.gpu is None:
