@@ -28,9 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
+import uuid
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import replace
 from pathlib import Path
@@ -94,8 +94,9 @@ def prepare_dataset(
     skipped and counted, as a null text is by the CLI, and said on stderr."""
     output = Path(output_dir)
     _check_options(output, overwrite, format, eval_fraction, max_record_tokens)
-    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    # a name no other preparer uses: one by pid is the same for two hosts' processes of equal
+    # pids (containers), which prepare the same built-in corpus into a shared cache at once
+    staging = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex}")
     make_folder(staging)
     explicit = eval_documents is not None
     try:

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from input_pipeline.atomic import write_json
+from input_pipeline.prepare import prepare_dataset
 from input_pipeline.staging import PLAN_FILE, open_staging
 
 PLAN = {"groups": [["a.jsonl"]], "recipe": {"format": "arrayrecord"}}
@@ -61,3 +62,16 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError):
         write_json(tmp_path / "taken", {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_another_hosts_staging_of_the_same_dataset_is_left_alone(tmp_path):
+    """Every process of a multi-host run may prepare the same built-in corpus into a shared
+    cache at once. `prepare` named its staging folder by pid, the same for two hosts' processes
+    of equal pids (containers), and first deleted what it found there: the other's work."""
+    others = tmp_path / f".data.tmp-{os.getpid()}"  # the other host's, still being written
+    (others / "group-00000").mkdir(parents=True)
+    (others / "group-00000" / "train.arrayrecord").write_bytes(b"half")
+    prepare_dataset(["some text " * 50] * 8, tmp_path / "data", num_shards=1, progress=False)
+    assert (others / "group-00000" / "train.arrayrecord").read_bytes() == b"half"
+    assert (tmp_path / "data" / "dataset.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == [others.name]
