@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        summary = train(config)
+        summary, stopped = train(config)
     except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return end_alone_if_joined(USAGE_EXIT)
@@ -66,18 +66,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         return INTERRUPTED_EXIT
     print(summary, file=sys.stderr)
-    return 0
+    return config.run.stop_exit_status if stopped else 0
 
 
-def train(config: Config) -> str:
-    """Run `config`; the run's last line: where it finished, or where a SIGTERM outside the step
-    loop stopped it (exit 0, as a stop in the loop)."""
+def train(config: Config) -> tuple[str, bool]:
+    """Run `config`; the run's last line (where it finished, or where a SIGTERM outside the step
+    loop stopped it), and whether it stopped before `run.steps`, in the loop or outside it."""
     from trainer.parallel.distributed import cluster_from_env, describe, initialize
     from trainer.preemption import OutsideLoop, Stopped  # heavy imports only when training
 
     cluster = cluster_from_env()
     try:
-        with OutsideLoop(cluster is None, describe(cluster) if cluster else "") as outside:
+        joining = describe(cluster) if cluster else ""
+        stop_status = config.run.stop_exit_status
+        with OutsideLoop(cluster is None, joining, stop_status) as outside:
             if cluster is not None:  # before any other JAX call (and before importing the trainer)
                 initialize(cluster, joined=outside.runtime_joined)
             from absl import flags
@@ -88,8 +90,8 @@ def train(config: Config) -> str:
             result = run(config)
     except Stopped as stop:
         quiet_asyncio()
-        return stop.line()
-    return finished_line(result, config.run.steps)
+        return stop.line(), True
+    return finished_line(result, config.run.steps), result.step < config.run.steps
 
 
 def finished_line(result: RunResult, steps: int) -> str:

@@ -169,15 +169,18 @@ class OutsideLoop:
     JAX's preemption service holds SIGTERM and stops them all after the same step, where one that
     left alone would keep the others waiting for it in a collective. Before that, nothing has
     started but JAX's half-made runtime, whose exit-time shutdown waits for peers that may never
-    come, so the process writes its line and ends at once (exit 0, as every stop); the others
-    stop on their own SIGTERM (a launcher's or Slurm's reaches them all), or end when JAX's
-    `JAX_INIT_TIMEOUT_S` gives up on it."""
+    come, so the process writes its line and ends at once (with `run.stop_exit_status`, as every
+    stop); the others stop on their own SIGTERM (a launcher's or Slurm's reaches them all), or end
+    when JAX's `JAX_INIT_TIMEOUT_S` gives up on it."""
 
-    def __init__(self, single_process: bool, cluster: str = "the cluster") -> None:
+    def __init__(
+        self, single_process: bool, cluster: str = "the cluster", stop_status: int = 0
+    ) -> None:
         self.loop_started = False  # a `StopRequest` took SIGTERM over (and gave it back)
         self.saves_written = False  # that loop ended normally, after waiting for its saves
         self._single_process = single_process
         self._cluster = cluster  # what several processes join, for the line
+        self._stop_status = stop_status  # run.stop_exit_status: what ending at once exits with
         self._runtime_has_sigterm = False  # JAX's preemption service replaced our handler
         self._previous: object = None
         self._previous_sigint: object = None  # set while we hold SIGINT
@@ -199,7 +202,8 @@ class OutsideLoop:
             return
         name = signal.Signals(signum).name
         if not self._single_process:
-            exit_now(0, Stopped(name, self.loop_started, joining=self._cluster).line())
+            line = Stopped(name, self.loop_started, joining=self._cluster).line()
+            exit_now(self._stop_status, line)
         self._raised = Stopped(name, self.loop_started)
         raise self._raised
 

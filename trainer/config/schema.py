@@ -22,6 +22,16 @@ from pydantic_core import PydanticKnownError
 from trainer.config.validation import as_typed, set_dotted, validated
 from trainer.hf.config import ROPE_SCALING_KEYS, split_rope_scaling
 
+# Exit statuses the trainer and its launchers already give a meaning: a stop must not read as one.
+TAKEN_EXIT_STATUSES = {
+    1: "a crash",
+    2: "a user error",
+    3: "a stuck process (trainer/observe/watchdog.py)",
+    130: "an interrupt without saving",
+    137: "a process killed by SIGKILL",
+    143: "a process killed by SIGTERM",
+}
+
 
 class _Section(BaseModel):
     """Strict, read-only section: unknown keys are errors; variants come from `Config.derive`.
@@ -67,6 +77,22 @@ class RunConfig(_Section):
     # minutes. None: 10x the median of the first steps, at least 300 s (15 minutes for evals
     # and saves). .inf: never (the one float key where infinity means something: no watchdog)
     step_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=True)
+    # The exit status of a run that stops before run.steps (a SIGTERM or Ctrl-C it saved at, or
+    # one during start-up). 0 for launchers that resume on their own (launch/slurm.sbatch,
+    # launch/local.sh); non-zero where only a failed process is started again: a Kubernetes Job
+    # counts a pod that exits 0 as done (launch/k8s/trainer.yaml sets 75)
+    stop_exit_status: int = Field(0, ge=0, le=255)
+
+    @field_validator("stop_exit_status")
+    @classmethod
+    def _distinct_stop_status(cls, status: int) -> int:
+        """A stop must not read as a crash, a user error, a stuck task or a lost interrupt."""
+        if status in TAKEN_EXIT_STATUSES:
+            raise ValueError(
+                f"run.stop_exit_status={status} already means {TAKEN_EXIT_STATUSES[status]}; give "
+                "another (75, EX_TEMPFAIL, is the usual one), or 0"
+            )
+        return status
 
     @field_validator("workdir")
     @classmethod
