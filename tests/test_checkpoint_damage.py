@@ -2,9 +2,13 @@
 in one warning line and moved aside (never deleted), and the run resumes from the newest
 checkpoint that restores completely, with the same losses as an undamaged run. With none left,
 the run exits 2 with one line. Export, `trainer.generate` and `checkpoint.init_from` fall back the
-same way, and a failed restore leaves no read behind to print a traceback at exit."""
+same way, and a failed restore leaves no read behind to print a traceback at exit. Only damage
+moves a checkpoint: a read error of the storage, memory, an interrupt or a bug leaves them all in
+place."""
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,10 +21,12 @@ import pytest
 from conftest import TINY
 
 from trainer.config import load_config
+from trainer.errors import TrainingError
 from trainer.export import export_params
 from trainer.generate import load_generator
 from trainer.models import builder_for_vocab, model_spec
 from trainer.parallel import sharding
+from trainer.preemption import Stopped
 from trainer.program import build_program
 from trainer.train import init_from, run
 
@@ -62,6 +68,11 @@ def empty_the_folder(step: Path) -> None:
     step.mkdir()
 
 
+def write_a_list_for_the_metadata(step: Path) -> None:
+    # Valid JSON, but not the object every save writes.
+    (step / "meta" / "metadata").write_text("[1, 2]")
+
+
 def drop_the_parameter_shapes(step: Path) -> None:
     # Valid JSON that lacks what every save writes: damaged, not "from another model".
     meta = json.loads((step / "meta" / "metadata").read_text())
@@ -75,6 +86,7 @@ DAMAGES = [
     corrupt_the_metadata_json,
     empty_the_folder,
     drop_the_parameter_shapes,
+    write_a_list_for_the_metadata,
 ]
 
 
@@ -261,3 +273,224 @@ def test_a_failed_restore_leaves_no_pending_read_behind(tmp_path, repo_root):
             "not compatible with the stored shape: (262143,)."
         )
         assert line.endswith("); moved it to 2.damaged; trying the previous one")
+
+
+# ------------------------------------------------------------- failures that show no damage
+# Only evidence in a step's own files moves it aside. A read error of the storage (an NFS
+# server's EIO or ESTALE at start-up), memory, an interrupt or a bug ends the run with every
+# checkpoint where it was: moving a good one aside would resume from an older one unasked.
+
+ALL_IN_PLACE = ["2", "4", "6"]
+
+
+def checkpoint_folders(workdir: Path) -> list[str]:
+    return sorted(p.name for p in (workdir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_a_saved_config_without_its_precision_section_resumes_as_bfloat16(
+    straight, corpus, tmp_path, capfd
+):
+    """Every version saved `precision`, in which bfloat16 is the default: a hand-edited config
+    without the section means bfloat16, as `load_config` reads it. Before, a KeyError moved the
+    checkpoint aside and the run resumed from an older one."""
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    meta_file = workdir / "checkpoints" / "4" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["config"]["precision"]
+    meta_file.write_text(json.dumps(meta))
+    capfd.readouterr()
+    run(load_config(None, [*ARGS, f"data.path={corpus}", f"run.workdir={workdir}"]))
+    err = capfd.readouterr().err
+    assert "does not restore" not in err, err[-3000:]
+    assert f"resuming from {workdir / 'checkpoints' / '4'} (step 4)" in err
+    assert checkpoint_folders(workdir) == ALL_IN_PLACE
+    assert losses_of(workdir) == losses_of(straight)
+
+
+def eio_read() -> None:
+    raise OSError(errno.EIO, "Input/output error")
+
+
+async def interrupted_read(*_args, **_kwargs) -> None:
+    raise KeyboardInterrupt  # as Ctrl-C's handler raises it in a read on the main thread
+
+
+async def stopped_read(*_args, **_kwargs) -> None:
+    raise Stopped("SIGTERM", loop_started=False)  # a Slurm requeue's SIGTERM during start-up
+
+
+def out_of_memory_reading(item: str):
+    """Orbax's JSON handler, that runs out of memory reading the item `item` of a step."""
+    original = ocp.JsonCheckpointHandler.restore
+
+    def restore(handler, directory, *args, **kwargs):
+        if Path(directory).name == item:
+            raise MemoryError
+        return original(handler, directory, *args, **kwargs)
+
+    return restore
+
+
+def a_bug(*_args, **_kwargs) -> None:
+    raise TypeError("a bug in the restore")
+
+
+# (the call that fails, its stand-in, what the run raises, the start of its line)
+NO_DAMAGE = {
+    "eio_reading_the_data_position": (
+        "trainer.checkpoint.data_checkpointing.restore_position",
+        lambda *_args: eio_read(),
+        TrainingError,
+        "cannot read checkpoint {step} (Input/output error [EIO]); it is left in place, as are "
+        "the older ones: check the storage it is on and re-run, or rename it to 6.damaged to "
+        "resume from the one before",
+    ),
+    "memory_error_reading_the_metadata": (
+        "orbax.checkpoint.JsonCheckpointHandler.restore",
+        out_of_memory_reading("meta"),
+        TrainingError,
+        "ran out of host memory while restoring checkpoint {step}; it is left in place",
+    ),
+    "ctrl_c_inside_orbaxs_read": (
+        "orbax.checkpoint._src.serialization.serialization._read_shard",
+        interrupted_read,
+        KeyboardInterrupt,
+        "",
+    ),
+    "sigterm_inside_orbaxs_read": (
+        "orbax.checkpoint._src.serialization.serialization._read_shard",
+        stopped_read,
+        Stopped,
+        "SIGTERM",
+    ),
+    "a_bug": ("trainer.checkpoint.param_shapes", a_bug, TypeError, "a bug in the restore"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", NO_DAMAGE, ids=list(NO_DAMAGE))
+def test_a_failure_that_shows_no_damage_leaves_every_checkpoint_in_place(
+    straight, corpus, tmp_path, case, monkeypatch, capfd
+):
+    target, stand_in, raised, line = NO_DAMAGE[case]
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    monkeypatch.setattr(target, stand_in)
+    capfd.readouterr()
+    with pytest.raises(raised) as failed:
+        run(load_config(None, [*ARGS, f"data.path={corpus}", f"run.workdir={workdir}"]))
+    assert str(failed.value).startswith(line.format(step=workdir / "checkpoints" / "6"))
+    if raised is TypeError:  # a crash, whose traceback says it moved nothing
+        assert failed.value.__notes__ == [
+            f"checkpoint {workdir / 'checkpoints' / '6'} is left in place: this error shows no "
+            "damage in it"
+        ]
+    assert "does not restore" not in capfd.readouterr().err
+    assert checkpoint_folders(workdir) == ALL_IN_PLACE
+
+
+# Read errors of the storage, made real: a preloaded library fails each read of the files whose
+# path holds $FAIL_READS_OF with $FAIL_READS_ERRNO, as an NFS mount does after a server restart
+# (ESTALE) or a network fault (EIO). TensorStore (the arrays) and Python (the JSON items) read
+# through these calls.
+FAILING_READS = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+static int fails(int fd) {
+    const char *part = getenv("FAIL_READS_OF");
+    char link[64], path[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (!part || n <= 0) return 0;
+    path[n] = 0;
+    return strstr(path, part) != NULL;
+}
+
+#define FAILING(name, params, args)                                \
+    ssize_t name params {                                          \
+        static ssize_t (*real) params;                             \
+        if (!real) real = dlsym(RTLD_NEXT, #name);                 \
+        if (fails(fd)) {                                           \
+            errno = atoi(getenv("FAIL_READS_ERRNO"));              \
+            return -1;                                             \
+        }                                                          \
+        return real args;                                          \
+    }
+
+FAILING(read, (int fd, void *b, size_t n), (fd, b, n))
+FAILING(pread, (int fd, void *b, size_t n, off_t o), (fd, b, n, o))
+FAILING(pread64, (int fd, void *b, size_t n, off_t o), (fd, b, n, o))
+FAILING(readv, (int fd, const struct iovec *v, int c), (fd, v, c))
+FAILING(preadv, (int fd, const struct iovec *v, int c, off_t o), (fd, v, c, o))
+"""
+
+
+@pytest.fixture(scope="module")
+def failing_reads(tmp_path_factory) -> Path:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler to build the library that fails reads")
+    folder = tmp_path_factory.mktemp("failing-reads")
+    (folder / "failing_reads.c").write_text(FAILING_READS)
+    library = folder / "failing_reads.so"
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", library, folder / "failing_reads.c", "-ldl"],
+        check=True,
+    )
+    return library
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("files", "code", "problem"),
+    [
+        ("params/ocdbt.process_0/d/", errno.EIO, "Input/output error [EIO]"),
+        ("meta/metadata", errno.ESTALE, "Stale file handle [ESTALE]"),
+    ],
+    ids=["eio_in_tensorstore", "estale_in_python"],
+)
+def test_a_read_error_of_the_storage_exits_2_and_moves_nothing(
+    straight, corpus, tmp_path, repo_root, failing_reads, files, code, problem
+):
+    """Through the CLI, as a requeued Slurm job meets a flaky NFS mount at start-up: one line,
+    exit 2, the newest checkpoint still in place for the next attempt (before: moved aside to
+    6.damaged, and the run went on from step 4)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    newest = workdir / "checkpoints" / "6"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml"]
+        + [o for o in ARGS if not o.startswith("log.")]
+        + [f"data.path={corpus}", f"run.workdir={workdir}"],
+        cwd=repo_root,
+        env={
+            **os.environ,
+            "LD_PRELOAD": str(failing_reads),
+            "FAIL_READS_OF": str(newest / files),
+            "FAIL_READS_ERRNO": str(code),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "does not restore" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: cannot read checkpoint {newest} ({problem}); it is left in place, as are the "
+        "older ones: check the storage it is on and re-run, or rename it to 6.damaged to resume "
+        "from the one before"
+    ], done.stderr[-3000:]
+    assert checkpoint_folders(workdir) == ALL_IN_PLACE

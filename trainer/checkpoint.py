@@ -10,6 +10,8 @@ import errno
 import functools
 import json
 import logging
+import os
+import re
 import shutil
 import sys
 import tempfile
@@ -25,7 +27,7 @@ from jax.experimental import multihost_utils
 
 from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.errors import DataError
-from trainer.config import CheckpointConfig, Config, saved_config
+from trainer.config import CheckpointConfig, Config, PrecisionConfig, saved_config
 from trainer.errors import ConfigError, TrainingError, first_line
 from trainer.loss_scale import LossScale, uses_loss_scale
 from trainer.parallel.state import TrainState
@@ -34,6 +36,29 @@ T = TypeVar("T")
 
 RESUME_ANOTHER_MODEL = "use a new run.workdir or the model config it was saved with"
 META_FILE = "meta/metadata"  # in a step's folder: the `meta` item, as Orbax's JsonSave writes it
+
+# A restore's outcome on one process, agreed across processes as the largest of them.
+RESTORED, DAMAGED, STOPS = 0, 1, 2
+
+# What Orbax 0.12 and TensorStore raise for a step's own files that are damaged: an item folder
+# missing, a stored array of another shape than the listed one, and TensorStore's status codes for
+# bytes that are short, missing or do not decode (an OS error is `UNKNOWN` with its code).
+ORBAX_DAMAGE = ("was not found in the checkpoint", "is not compatible with the stored shape")
+TENSORSTORE_DAMAGE = ("OUT_OF_RANGE:", "DATA_LOSS:", "FAILED_PRECONDITION:", "NOT_FOUND:")
+TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+class _DamageError(Exception):
+    """What a step's own metadata shows to be damaged (valid JSON, but not what a save writes)."""
+
+
+class _FailedElsewhereError(Exception):
+    """An item read that did not fail here, on a process whose peer's read of it did: every
+    process leaves the restore at the same read, so their next collective is the same one."""
+
+
+# Errors that say a step's file is missing or does not parse.
+DAMAGED_FILES = (_DamageError, json.JSONDecodeError, UnicodeDecodeError, FileNotFoundError)
 
 
 def _train_part(state: TrainState) -> dict[str, Any]:
@@ -49,7 +74,16 @@ def _saved_a_loss_scale(meta: dict[str, Any], target: TrainState) -> bool:
     checkpoint written without the run's config, by a caller of `save`: as `target`)."""
     if "config" not in meta:
         return target.loss_scale is not None
-    return uses_loss_scale(meta["config"]["precision"]["compute"])
+    return uses_loss_scale(_saved_compute(meta["config"]))
+
+
+def _saved_compute(config: Any) -> str:
+    """`precision.compute` of a saved config. One without the section (hand-edited: every version
+    saved it) computed in the default, bfloat16 in every version: as `load_config` reads it."""
+    precision = config.get("precision", {}) if isinstance(config, dict) else None
+    if not isinstance(precision, dict):
+        raise _DamageError(f"its {META_FILE} holds a config that is not a mapping of sections")
+    return precision.get("compute", PrecisionConfig().compute)
 
 
 def _abstract_loss_scale(replicated: jax.sharding.Sharding) -> LossScale:
@@ -148,8 +182,10 @@ class Checkpointer:
         "one back to its step number) and re-run",
     ) -> tuple[int, T]:
         """`(step, restore(step))` for the newest of `steps` (default: all) that restores
-        completely. One that fails is named in one warning line and, in the run's own folder,
-        moved aside to `<step>.damaged` (never deleted); then the next older one is tried."""
+        completely. One whose own files are damaged is named in one warning line and, in the
+        run's own folder, moved aside to `<step>.damaged` (never deleted); then the next older one
+        is tried. Any other failure (a read error of the storage, memory, an interrupt, a config
+        to fix, a bug) ends the search with every checkpoint left in place (`_try_restore`)."""
         for step in sorted(self.manager.all_steps() if steps is None else steps, reverse=True):
             value, reason = self._try_restore(restore, step)
             if reason is None:
@@ -188,19 +224,52 @@ class Checkpointer:
             checkpointer.close()
 
     def _try_restore(self, restore: Callable[[int], T], step: int) -> tuple[T | None, str | None]:
-        """The restored value, or the reason it failed: the first line of the error, agreed by
-        every process (a damage only some processes read is a damage for all)."""
-        value, reason = None, None
+        """The restored value, or the reason the step is damaged, agreed by every process (a
+        damage only some processes read is a damage for all). A failure that is no evidence of
+        damage, on any process, ends every process here with the checkpoints left in place: a
+        transient read error moving a good checkpoint aside would silently resume from an older
+        one. An interrupt that Orbax's read wrapped is raised again as itself, once agreed."""
+        value, failure = None, None
         with _quiet_orbax(), _draining_event_loops():
             try:
                 value = restore(step)
-            except (ConfigError, DataError, TrainingError, MemoryError):
-                raise  # the user's mistake (another model, process count) or the host's
             except Exception as err:
-                reason = first_line(_innermost(err), with_type=False)
-        if not _on_every_process(reason is None):
-            reason = reason or "it failed to restore on another process"
-        return value, reason
+                failure = err
+        own = None if isinstance(failure, _FailedElsewhereError) else failure
+        interrupt = None if own is None else _interrupt_in(own)
+        damage = None if own is None or interrupt else _damage(own)
+        outcome = RESTORED if own is None else DAMAGED if damage else STOPS
+        agreed = _worst_on_any_process(outcome)  # a failure elsewhere: at least DAMAGED there
+        if agreed == STOPS:
+            raise interrupt or self._left_in_place(step, own)
+        if agreed == DAMAGED:
+            return None, damage or "it failed to restore on another process"
+        return value, None
+
+    def _left_in_place(self, step: int, failure: Exception | None) -> Exception:
+        """What ends the run when `step` failed to restore for a reason other than damage
+        (`failure`: this process's, None when only another process failed)."""
+        where = self.directory / str(step)
+        kept = "it is left in place, as are the older ones"
+        if failure is None:
+            return TrainingError(
+                f"checkpoint {where} did not restore on another process (its own line says "
+                f"why); {kept}"
+            )
+        if isinstance(failure, ConfigError | DataError | TrainingError):
+            return failure  # the user's to fix, in its own line
+        if (problem := _read_problem(failure)) is not None:
+            return TrainingError(
+                f"cannot read checkpoint {where} ({problem}); {kept}: check the storage it is on "
+                f"and re-run, or rename it to {step}.damaged to resume from the one before"
+            )
+        if _chain_has(failure, MemoryError):
+            return TrainingError(
+                f"ran out of host memory while restoring checkpoint {where}; {kept}: free memory "
+                "on this host (fewer data.workers) and re-run"
+            )
+        failure.add_note(f"checkpoint {where} is left in place: this error shows no damage in it")
+        return failure  # a bug: its traceback is the honest report
 
     def _set_aside(self, step: int) -> str:
         """Rename a damaged step folder (process 0), so the next run does not retry it; says
@@ -327,9 +396,24 @@ class Checkpointer:
                 f"the permissions there, or point run.workdir elsewhere{self._last_good()}"
             ) from None
 
+    def _read_items(self, step: int, **items: ocp.args.CheckpointArgs) -> Any:
+        """`manager.restore` of `items`, failed on every process when it fails on one (with
+        `_FailedElsewhereError` where it did not): a process that went on to the next read
+        would wait in its barrier for one that never comes, or meet its all-gather there."""
+        restored, failure = None, None
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as err:
+            failure = err
+        if _worst_on_any_process(RESTORED if failure is None else STOPS) != RESTORED:
+            raise failure or _FailedElsewhereError(f"step {step} failed on another process")
+        return restored
+
     def read_meta(self, step: int) -> dict[str, Any]:
         """The run's metadata saved with `step` (config, dataset fingerprint, shapes)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        restored = self._read_items(step, meta=ocp.args.JsonRestore())
+        if not isinstance(restored.meta, dict):  # every save writes a mapping
+            raise _DamageError(f"its {META_FILE} is not a JSON object")
         return restored.meta
 
     def run_config(self, step: int) -> Config:
@@ -358,12 +442,10 @@ class Checkpointer:
         if _saved_a_loss_scale(meta, target):
             part["loss_scale"] = _abstract_loss_scale(target.step.sharding)
         try:
-            restored = self.manager.restore(
+            restored = self._read_items(
                 step,
-                args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(target.params),
-                    train=ocp.args.StandardRestore(part),
-                ),
+                params=ocp.args.StandardRestore(target.params),
+                train=ocp.args.StandardRestore(part),
             )
         except ValueError as err:
             if not _mentions(str(err), ("tree structures do not match",)):
@@ -387,9 +469,7 @@ class Checkpointer:
         """Parameters only (fine-tuning from another run, export); `fix` ends the line that
         refuses another model's checkpoint."""
         self._check_shapes(step, target_params, fix)
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target_params))
-        )
+        restored = self._read_items(step, params=ocp.args.StandardRestore(target_params))
         return restored.params
 
     def _layout_changed(
@@ -414,7 +494,7 @@ class Checkpointer:
     ) -> None:
         saved = (meta or self.read_meta(step)).get("param_shapes")
         if not isinstance(saved, dict):  # every save writes them: the metadata is damaged
-            raise ValueError("its meta/ item records no parameter shapes")
+            raise _DamageError("its meta/ item records no parameter shapes")
         wanted = param_shapes(target_params)
         missing = sorted(set(wanted) - set(saved))
         extra = sorted(set(saved) - set(wanted))
@@ -454,6 +534,25 @@ class _Manager(ocp.CheckpointManager):
 
     def reached_preemption(self, step: int) -> bool:
         return False
+
+    def restore(self, step: int | None, *args: Any, **kwargs: Any) -> Any:
+        """Orbax's restore; one that fails on this process still meets the others at the
+        barrier that ends Orbax's (`Checkpointer:restore`), where those it did not fail on
+        wait for it: without it, this process's next collective met theirs there."""
+        try:
+            return super().restore(step, *args, **kwargs)
+        except Exception:
+            self._meet_at_the_restore_barrier()
+            raise
+
+    def _meet_at_the_restore_barrier(self) -> None:
+        """The barrier of orbax 0.12's `Checkpointer.restore`, by its name and processes."""
+        checkpointer = self._checkpointer
+        prefix = getattr(checkpointer, "_barrier_sync_key_prefix", None)
+        ocp.multihost.sync_global_processes(
+            ocp.multihost.unique_barrier_key("Checkpointer:restore", prefix=prefix),
+            processes=getattr(checkpointer, "_active_processes", None),
+        )
 
 
 @contextlib.contextmanager
@@ -531,15 +630,60 @@ def _mentions(text: str, phrases: tuple[str, ...]) -> bool:
     return any(phrase in text for phrase in phrases)
 
 
-def _innermost(err: BaseException) -> BaseException:
-    """The innermost cause: Orbax wraps TensorStore's error (`OUT_OF_RANGE: Error reading ...`)
-    in a generic one whose text runs to many lines."""
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and its causes, outermost first: Orbax wraps TensorStore's error (`OUT_OF_RANGE:
+    Error reading ...`), or an interrupt that came during a read, in a generic one."""
+    chain = [err]
     for _ in range(20):
         inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
         if inner is None:
             break
+        chain.append(inner)
         err = inner
-    return err
+    return chain
+
+
+def _chain_has(err: BaseException, kind: type[BaseException]) -> bool:
+    return any(isinstance(e, kind) for e in _chain(err))
+
+
+def _interrupt_in(err: BaseException) -> BaseException | None:
+    """A KeyboardInterrupt, a stop (`trainer.preemption.Stopped`) or a SystemExit that Orbax's
+    read wrapped in an `Exception` ("Encountered error while reading ..."); a cancelled or closed
+    task's error is not one (it shows no damage either: the restore stops, `_left_in_place`)."""
+    no_interrupt = (Exception, asyncio.CancelledError, GeneratorExit)
+    return next((e for e in _chain(err) if not isinstance(e, no_interrupt)), None)
+
+
+def _read_problem(err: BaseException) -> str | None:
+    """The OS error, other than a missing file, that a read of the checkpoint met ("Stale file
+    handle [ESTALE]"): Python's, or TensorStore's `[os_error_code='116']`; or None."""
+    for e in _chain(err):
+        code = e.errno if isinstance(e, OSError) else None
+        if code is None and (found := TENSORSTORE_OS_ERROR.search(str(e))) is not None:
+            code = int(found[1])
+        if code is not None and code != errno.ENOENT:
+            name = errno.errorcode.get(code, str(code))
+            where = f" reading {e.filename}" if getattr(e, "filename", None) else ""
+            return f"{os.strerror(code)} [{name}]{where}"
+    return None
+
+
+def _damage(err: BaseException) -> str | None:
+    """Why `err`, a failed restore, shows the step's own files damaged (a file missing, short,
+    not decoding or not parsing, an array of another shape than listed), or None: no evidence.
+    A read error of the storage is none (`_read_problem` is asked first)."""
+    if _read_problem(err) is not None:
+        return None
+    for e in _chain(err):
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        if (
+            isinstance(e, DAMAGED_FILES)
+            or (isinstance(e, KeyError | ValueError) and _mentions(text, ORBAX_DAMAGE))
+            or (isinstance(e, ValueError) and text.startswith(TENSORSTORE_DAMAGE))
+        ):
+            return first_line(e, with_type=False)
+    return None
 
 
 def _warn(line: str) -> None:
@@ -547,12 +691,13 @@ def _warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _on_every_process(ok: bool) -> bool:
-    """True when `ok` holds on every process, so all pick the same checkpoint."""
+def _worst_on_any_process(outcome: int) -> int:
+    """The largest of every process's `outcome` (RESTORED < DAMAGED < STOPS), so all pick the
+    same checkpoint, and all stop when one must."""
     if jax.process_count() == 1:
-        return ok
-    flags = multihost_utils.process_allgather(np.array(int(ok), dtype=np.int32))
-    return bool(np.all(flags))
+        return outcome
+    outcomes = multihost_utils.process_allgather(np.array(outcome, dtype=np.int32))
+    return int(np.max(outcomes))
 
 
 @contextlib.contextmanager
