@@ -101,10 +101,15 @@ def stop(folder: Path, env: dict[str, str]) -> None:
 
 def alive(pid: int) -> bool:
     """Running, and not a zombie (a daemon's parent may never reap it)."""
+    return process_state(pid) not in ("", "Z")
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter in /proc (R running, S waiting, Z zombie...); "" once gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, IndexError):
-        return False
+        return ""
 
 
 @pytest.fixture(scope="module")
@@ -334,16 +339,20 @@ exec sleep 120
 """
 
 # ... or joining JAX's runtime: the trainer's own start-up line (the file `line` beside it), exit
-# 0. Its handler is set before it says it is starting, when the test's warning may come. The
-# handler writes the line with builtins only: Slurm signals every process of the step, and a `cat`
-# started by the handler was at times ended by the same SIGTERM before it wrote the line (the
-# session then looked like a save, and was requeued uncounted).
+# 0. Its handler is set before it says it is starting, when the test's warning may come. Slurm
+# signals every process of the step, deepest first (proctrack/linuxproc), so the stand-in starts
+# none: the handler writes the line with builtins only, and it waits in a builtin, `read` from a
+# FIFO that nobody writes. It waited for a `sleep`: one that died of the SIGTERM before the shell
+# got its own let the shell reach its end and exit 0 without the line (the session looked like a
+# save, and was requeued uncounted); one forked just as the handler ran outlived it, holding the
+# task's output (slurmstepd waits 60 s for it).
 ANSWERING_STAND_IN = """#!/bin/sh
 read -r line < "${0%/*}/line"
-trap 'kill $! 2>/dev/null; echo "$line" >&2; exit 0' TERM
+nobody_writes="${0%/*}/fifo.$$"
+mkfifo "$nobody_writes"
+trap 'echo "$line" >&2; exit 0' TERM
 echo "stand-in task $SLURM_PROCID starting, session ${SLURM_RESTART_COUNT:-0}" >&2
-sleep 120 &
-wait
+read -r _ <> "$nobody_writes"
 """
 
 
@@ -386,6 +395,46 @@ def test_a_warning_during_the_tasks_start_up_requeues_the_job_a_bounded_number_o
     ), job_log
     assert len(lines) == 6, job_log  # start, warned, requeue; start, warned, stop
     assert "startup_requeues=1" in job.get("Comment", ""), job
+
+
+def children(pid: int) -> set[int]:
+    """The processes that `pid` started and has not yet reaped (Linux's /proc)."""
+    try:
+        return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except FileNotFoundError:  # the process has ended
+        return set()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
+def test_the_answering_stand_in_waits_for_slurms_sigterm_with_no_child_process(tmp_path):
+    """Slurm's SIGTERM reaches every process of the step, deepest first. The stand-in waited on a
+    `sleep`: when the `sleep` died first, the stand-in ended with it, exit 0 without its line (the
+    session looked like a save, the job ran a third one, and the test above timed out); a `sleep`
+    forked just as the handler ran outlived it, holding the task's output. Waiting, it must have
+    no child, and answer the SIGTERM with its line and exit 0, its output closed."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(ANSWERING_STAND_IN)
+    stand_in.chmod(0o755)
+    line = Stopped("SIGTERM", False, joining="the cluster at 127.0.0.1:1234").line()
+    (tmp_path / "line").write_text(line + "\n")
+    env = {**os.environ, "SLURM_PROCID": "0"}
+    task = subprocess.Popen([str(stand_in)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "starting" in task.stderr.readline()
+        deadline = time.monotonic() + 30
+        while process_state(task.pid) != "S":  # until it waits
+            assert time.monotonic() < deadline, "the stand-in never waited"
+            time.sleep(0.05)
+        assert not children(task.pid), "a child that Slurm's SIGTERM would reach first"
+        task.send_signal(signal.SIGTERM)
+        _, stderr = task.communicate(timeout=30)  # every holder of its stderr has closed it
+    finally:
+        if task.poll() is None:  # a failure above: end the stand-in and its children
+            for pid in children(task.pid):
+                os.kill(pid, signal.SIGKILL)
+            task.kill()
+            task.wait()
+    assert (task.returncode, stderr) == (0, line + "\n")
 
 
 # ----------------------------------------------------------------------------- signals early on
