@@ -122,6 +122,7 @@ class Checkpointer:
         self.config = config
         self._warming: Checkpointer | None = None  # `warm_up`'s throwaway save, until written
         self.options = _manager_options(config, writable=create)
+        self._check_listable()
         try:
             self.manager = self._open_manager()
         except OSError as err:
@@ -133,6 +134,22 @@ class Checkpointer:
             with _closed_on_error(self.manager):
                 self._check_writable("starting the run")
         self._saving: contextlib.ExitStack | None = None  # from the first save until `close`
+
+    def _check_listable(self) -> None:
+        """An existing folder that cannot be listed (an NFS mount's EIO or ESTALE, a permission)
+        is a read error to name as one, found before Orbax's manager lists it also on a thread
+        of its own, whose traceback would follow the line at exit."""
+        try:
+            os.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # for the manager to create, or to refuse in its own line
+        except OSError as err:
+            name = errno.errorcode.get(err.errno, str(err.errno))
+            raise TrainingError(
+                f"cannot read checkpoint folder {self.directory} ({err.strerror} [{name}]); "
+                "nothing in it was changed: check the storage it is on (its mount, its "
+                "permissions) and re-run"
+            ) from None
 
     def _open_manager(self, clean: bool = True) -> ocp.CheckpointManager:
         """A fresh manager: it caches the step list and, after one restore, the item layout.
@@ -426,7 +443,17 @@ class Checkpointer:
     def restore(
         self, step: int, target: TrainState, run_config: dict[str, Any] | None = None
     ) -> tuple[TrainState, dict | None]:
-        """Restore onto `target`'s shapes and shardings (so a new mesh reshards on load), memory
+        """`(state, data position)` of `step`, as `restore_with_meta` reads them."""
+        state, data_state, _ = self.restore_with_meta(step, target, run_config)
+        return state, data_state
+
+    def restore_with_meta(
+        self, step: int, target: TrainState, run_config: dict[str, Any] | None = None
+    ) -> tuple[TrainState, dict | None, dict[str, Any]]:
+        """`(state, data position, metadata)` of `step`: the metadata is the one this restore
+        read, for the caller to use rather than read again after the restore.
+
+        Restore onto `target`'s shapes and shardings (so a new mesh reshards on load), memory
         kinds included: offloaded parts (`trainer.parallel.offload`) are read straight into
         pinned host memory, never through the device memory they were offloaded to spare (orbax
         0.12 passes the memory kind through: no memory-kind mismatch, tests/test_offload.py).
@@ -463,7 +490,7 @@ class Checkpointer:
         data_state = data_checkpointing.restore_position(
             self.directory / str(step) / "data", jax.process_index(), jax.process_count()
         )
-        return state, data_state
+        return state, data_state, meta
 
     def restore_params(self, step: int, target_params: Any, fix: str = RESUME_ANOTHER_MODEL) -> Any:
         """Parameters only (fine-tuning from another run, export); `fix` ends the line that

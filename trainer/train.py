@@ -91,10 +91,14 @@ def run(
         make_workdir(config)
         checkpointer = Checkpointer(Path(config.run.workdir) / "checkpoints", config.checkpoint)
         with goodput.timing("checkpoint" if checkpointer.latest_step() is not None else "other"):
-            state, start_step = restore_or_init(config, checkpointer, program, spec, sources.train)
+            state, start_step, resumed_meta = restore_or_init(
+                config, checkpointer, program, spec, sources.train
+            )
         write_run_config(config)  # once a refused resume can no longer overwrite the run's own
         writer = open_writer(config, start_step)
-        announce(writer, config, program, pipeline, sources, spec, checkpointer, start_step)
+        announce(
+            writer, config, program, pipeline, sources, spec, checkpointer, start_step, resumed_meta
+        )
         try:
             with (
                 Loop(
@@ -233,13 +237,15 @@ def announce(
     spec: ModelSpec,
     checkpointer: Checkpointer,
     start_step: int,
+    resumed_meta: dict[str, Any],
 ) -> None:
-    """The startup lines: what trains on what (or where it resumes), and a missing eval split."""
+    """The startup lines: what trains on what (or where it resumes, from `resumed_meta`, the
+    metadata its restore read), and a missing eval split."""
     note = spec.startup_note(config)
     if start_step:
         where = checkpointer.directory / str(start_step)
         writer.message(f"resuming from {where} (step {start_step}){note}")
-        saved = checkpointer.read_meta(start_step).get("dataset_fingerprint")
+        saved = resumed_meta.get("dataset_fingerprint")
         if saved is not None and saved != sources.fingerprint:
             writer.message(
                 f"warning: {where} was trained on other data ({saved}; now {sources.fingerprint})"
@@ -290,21 +296,22 @@ def restore_or_init(
     program: TrainProgram,
     spec: ModelSpec,
     train_iter: Any,
-) -> tuple[TrainState, int]:
-    """Newest checkpoint that restores (state + data position), or a fresh sharded init.
-    Damaged checkpoints are moved aside; a run never starts afresh over them. Without either,
-    `checkpoint.init_from` names the run or folder whose parameters start it."""
+) -> tuple[TrainState, int, dict[str, Any]]:
+    """Newest checkpoint that restores (state + data position), or a fresh sharded init; with
+    the step and the metadata saved with it (empty for a fresh start). Damaged checkpoints are
+    moved aside; a run never starts afresh over them. Without either, `checkpoint.init_from`
+    names the run or folder whose parameters start it."""
     if checkpointer.latest_step() is None and not checkpointer.damaged():
         if config.checkpoint.init_from:
-            return init_from(config.checkpoint.init_from, program, spec), 0
-        return program.init(), 0
+            return init_from(config.checkpoint.init_from, program, spec), 0, {}
+        return program.init(), 0, {}
     target = program.abstract_state()
-    step, (state, data_state) = checkpointer.restore_newest(
-        lambda step: checkpointer.restore(step, target, config.to_dict())
+    step, (state, data_state, meta) = checkpointer.restore_newest(
+        lambda step: checkpointer.restore_with_meta(step, target, config.to_dict())
     )
     if data_state is not None and resumes_position(train_iter):
         train_iter.set_state(data_state)  # else it starts again; `announce` says so
-    return with_this_runs_loss_scale(state, program), step
+    return with_this_runs_loss_scale(state, program), step, meta
 
 
 def with_this_runs_loss_scale(state: TrainState, program: TrainProgram) -> TrainState:
