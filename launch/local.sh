@@ -111,6 +111,7 @@ if [[ -n ${JAX_COORDINATOR_PORT:-} ]]; then
   whole_number JAX_COORDINATOR_PORT "$port" 1
 else
   coproc port_holder { exec "$python" -c "$hold_free_port"; }
+  holder=$port_holder_PID
   port=""
   from_holder=${port_holder[0]:-} # unset already if the holder ended at once
   [[ -z $from_holder ]] || read -r port 2>/dev/null <&"$from_holder"
@@ -122,8 +123,73 @@ else
 fi
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$num_processes
 
+# read_alive: sets alive_now to bash's own record of its children still running, one pid a line
+# between newlines; 1 if it could not be read (a signal to the whole group can end the subshell
+# that reads it). A child that ended is reaped at once and its pid is the kernel's to give out
+# again: `kill -0 PID` could find another process there (and kept the launcher polling that one
+# for as long as it lived, or signalled it).
+read_alive() {
+  alive_now=$(jobs -rp; echo .)
+  [[ $alive_now == *. ]] || return 1
+  alive_now=$'\n'${alive_now%.}
+}
+is_alive() {
+  [[ $alive_now == *$'\n'$1$'\n'* ]]
+}
+
+# first_ended: sets finished and rc for a process of running[] that has ended; 1 if none has.
+# (`wait -n` missed a process that ended while the shell ran a trap or reaped another one, as
+# when one Ctrl-C ends them all, and then waited for ever; `wait PID` never misses one.)
+first_ended() {
+  local pid
+  read_alive || return 1
+  for pid in "${running[@]}"; do
+    if ! is_alive "$pid"; then
+      finished=$pid
+      wait "$pid"
+      rc=$?
+      return 0
+    fi
+  done
+  return 1
+}
+
+# signal_running SIGNAL: sends SIGNAL to the processes of running[] that still run
+signal_running() {
+  local pid targets=()
+  if read_alive; then
+    for pid in "${running[@]}"; do
+      is_alive "$pid" && targets+=("$pid")
+    done
+  else
+    targets=("${running[@]}")
+  fi
+  ((${#targets[@]} == 0)) || kill -"$1" "${targets[@]}" 2>/dev/null
+}
+
+# SIGKILL timer: a `sleep` of our own, watched by the wait loop, so that ending it ends it all
+# (a timer subshell ended at exit left its `sleep` behind for the rest of the grace period). It
+# ignores SIGTERM and SIGHUP: those sent to the launcher's whole group must not cut the grace
+# short (nor, as they did to the subshell, cancel the SIGKILL).
+killer=""
+start_killer() {
+  (trap '' TERM HUP; exec sleep "$grace") >/dev/null 2>&1 &
+  killer=$!
+}
+killer_rang() {
+  [[ -n $killer ]] && read_alive && ! is_alive "$killer"
+}
+stop_killer() {
+  if [[ -n $killer ]]; then
+    if ! read_alive || is_alive "$killer"; then kill -KILL "$killer" 2>/dev/null; fi
+    wait "$killer" 2>/dev/null
+    killer=""
+  fi
+}
+
 pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+running=() # the processes not yet seen to end (signals go to those of them still running)
+trap 'signal_running TERM' TERM
 trap ':' INT # Ctrl-C reaches every process from the terminal; the launcher waits for them
 for ((i = 0; i < num_processes; i++)); do
   (
@@ -137,41 +203,39 @@ for ((i = 0; i < num_processes; i++)); do
     JAX_PROCESS_ID=$i exec "$python" -m trainer.main "$@"
   ) &
   pids+=($!)
+  running+=($!)
 done
 echo "local.sh: $num_processes processes (${pids[*]}) on $device, $per_process device(s) each," \
   "coordinator $JAX_COORDINATOR_ADDRESS" >&2
 
-# first_ended: sets finished and rc for a process of running[] that has ended; 1 if none has.
-# (`wait -n` missed a process that ended while the shell ran a trap or reaped another one, as
-# when one Ctrl-C ends them all, and then waited for ever; `wait PID` never misses one.)
-first_ended() {
-  local pid
-  for pid in "${running[@]}"; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      finished=$pid
-      wait "$pid"
-      rc=$?
-      return 0
-    fi
-  done
-  return 1
-}
-
 status=0
-running=("${pids[@]}")
 while ((${#running[@]})); do
-  # (the braces keep bash's "Terminated" line to itself when a signal ends the sleep)
-  first_ended || { { sleep 0.2; } 2>/dev/null; continue; }
-  running=($(printf '%s\n' "${running[@]}" | grep -vx "$finished"))
+  if ! first_ended; then
+    if killer_rang; then
+      stop_killer
+      signal_running KILL
+    fi
+    # (the braces keep bash's "Terminated" line to itself when a signal ends the sleep)
+    { sleep 0.2; } 2>/dev/null
+    continue
+  fi
+  still=() # builtins only: a signal to the whole group could end a pipeline's subshell
+  for pid in "${running[@]}"; do [[ $pid == "$finished" ]] || still+=("$pid"); done
+  running=("${still[@]}")
   if ((rc != 0 && status == 0)); then
     status=$rc
     echo "local.sh: process $finished exited with status $rc; stopping the others" >&2
     if ((${#running[@]})); then
-      kill -TERM "${running[@]}" 2>/dev/null
-      (sleep "$grace" && kill -KILL "${running[@]}") >/dev/null 2>&1 &
-      killer=$!
+      signal_running TERM
+      start_killer
     fi
   fi
 done
-[[ -n ${killer:-} ]] && kill "$killer" 2>/dev/null
+stop_killer
+# The port holder ends when its stdin closes: close it and wait, so that it does not outlive us.
+if [[ -n ${holder:-} ]]; then
+  to_holder=${port_holder[1]:-}
+  [[ -z $to_holder ]] || exec {to_holder}>&-
+  wait "$holder" 2>/dev/null
+fi
 exit "$status"

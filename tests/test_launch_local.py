@@ -7,6 +7,7 @@ ends, so that nothing else takes it before process 0's coordinator (JAX's runtim
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_multihost import cpu_env, launched_pids
 
 # Another program that listens on the port local.sh chose for process 0, before process 0's
@@ -202,3 +204,177 @@ def test_a_python_that_cannot_hold_a_port_is_one_line(tmp_path, repo_root):
         "JAX_COORDINATOR_PORT to a free port"
     ]
     assert not (tmp_path / "ran").exists(), "no training process starts"
+
+
+def processes_with(variable: str, value: str) -> list[str]:
+    """`pid command` of each process whose environment has variable=value (readable ones)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            if f"{variable}={value}".encode() in environ:
+                found.append(f"{proc.name} {(proc / 'comm').read_text().strip()}")
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_nothing_local_sh_started_outlives_it_when_one_process_fails(tmp_path, repo_root):
+    """Process 1 fails at once; local.sh stops process 0 (SIGTERM) and exits with its status.
+    Its SIGKILL timer (a subshell running `sleep LOCAL_KILL_GRACE_S`) was ended at exit, but
+    not its `sleep`, which stayed behind for the whole grace period, in the launcher's process
+    group (a CI job or test harness waiting on that group waited for it). Every process local.sh
+    started carries its environment: none may be left once it has exited."""
+    python = stand_in(
+        tmp_path,
+        f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+        '[ "$JAX_PROCESS_ID" = 1 ] && exit 3\nexec sleep 600\n',
+    )
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = cpu_env(PYTHON=str(python), LOCAL_DEVICE="cpu", LOCAL_KILL_GRACE_S="600")
+    env["LOCAL_SH_TEST_MARK"] = mark
+    try:
+        done = subprocess.run(
+            [str(repo_root / "launch/local.sh"), "2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,  # (not the 600 s grace: process 0's `sleep` ends on SIGTERM)
+        )
+        assert done.returncode == 3, done.stderr
+        assert "process " in done.stderr and "exited with status 3" in done.stderr, done.stderr
+        assert processes_with("LOCAL_SH_TEST_MARK", mark) == [], done.stderr
+    finally:
+        for left in processes_with("LOCAL_SH_TEST_MARK", mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(left.split()[0]), signal.SIGKILL)
+
+
+# local.sh's wait loop, made to hold still: its `sleep 0.2` (found on PATH) waits on a FIFO while
+# the file `hold` exists, and says so by creating `held`. Any other `sleep` runs as is.
+HOLDING_SLEEP = """\
+#!/bin/sh
+if [ "$1" = 0.2 ] && [ -e {folder}/hold ]; then
+  : > {folder}/held
+  read _ < {folder}/release
+fi
+exec {sleep} "$@"
+"""
+
+# Runs in a new pid namespace (its own pid numbers, which it may choose), with local.sh in the
+# background: process 1 exits 3 while the launcher's loop is held, and once its pid is free again
+# another process of the same user is started with that very pid, then the loop goes on.
+# Prints the launcher's status (or "still running" after 60 s) and whether the other process
+# is alive, on one line.
+REUSED_PID = """\
+folder=$1 local_sh=$2
+cd "$folder"
+mkfifo release
+: > hold
+"$local_sh" 2 2> local.log &
+launcher=$!
+until grep -q ' processes (' local.log 2>/dev/null && [ -e held ]; do sleep 0.05; done
+p1=$(sed -nE 's/.* processes \\([0-9]+ ([0-9]+)\\).*/\\1/p' local.log)
+: > go
+while [ -e /proc/$p1 ]; do sleep 0.05; done
+echo $((p1 - 1)) > /proc/sys/kernel/ns_last_pid
+sleep 600 &
+other=$!
+[ "$other" = "$p1" ] || { echo "the pid went to another process first"; exit 1; }
+rm hold
+echo > release
+for _ in $(seq 600); do [ -e /proc/$launcher ] || break; sleep 0.1; done
+if [ -e /proc/$launcher ]; then outcome="still running"; kill -KILL $launcher; else
+  wait $launcher; outcome="exited $?"; fi
+[ -e /proc/$other ] && alive=alive || alive=gone
+kill -KILL $other 2>/dev/null
+echo "launcher $outcome, other process $alive"
+"""
+
+
+def unshare_works() -> bool:
+    """Whether this user may make a user + pid namespace (unshare(1), Linux)."""
+    try:
+        return subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"]).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not unshare_works(), reason="needs unshare -Urpf (user + pid namespaces)")
+def test_a_pid_given_to_another_process_does_not_hide_that_a_process_failed(tmp_path, repo_root):
+    """Bash reaps a child as soon as it ends (keeping its status for `wait`), so its pid is free
+    for the kernel to give out again. The wait loop asked `kill -0 PID` whether a process still
+    ran: a process that took the pid of a failed one kept the launcher polling it, and the run's
+    other processes running, for as long as it lived. Now the loop asks bash's job table (which
+    a process of someone else's cannot enter), and signals only the processes still in it."""
+    holding = tmp_path / "bin"
+    holding.mkdir()
+    sleep = holding / "sleep"
+    sleep.write_text(HOLDING_SLEEP.format(folder=tmp_path, sleep=shutil.which("sleep")))
+    sleep.chmod(0o755)
+    python = stand_in(
+        tmp_path,
+        f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+        f'[ "$JAX_PROCESS_ID" = 1 ] || exec sleep 600\n'
+        f"while [ ! -e {tmp_path}/go ]; do sleep 0.05; done\nexit 3\n",
+    )
+    env = cpu_env(PYTHON=str(python), LOCAL_DEVICE="cpu", LOCAL_KILL_GRACE_S="600")
+    env["PATH"] = f"{holding}{os.pathsep}{env['PATH']}"
+    done = subprocess.run(
+        ["unshare", "-Urpf", "--mount-proc", "bash", "-c", REUSED_PID, "reused-pid"]
+        + [str(tmp_path), str(repo_root / "launch/local.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = f"{done.stdout}{done.stderr}\n{(tmp_path / 'local.log').read_text()}"
+    assert done.stdout.strip() == "launcher exited 3, other process alive", said
+
+
+def test_a_sigterm_to_the_launchers_group_during_the_grace_still_ends_in_sigkill(
+    tmp_path, repo_root
+):
+    """Process 1 fails; process 0 ignores SIGTERM, so local.sh's SIGKILL after the grace is what
+    ends it. A SIGTERM to the launcher's whole group in that grace (a CI job cancelled, `timeout`
+    on the group) ended the SIGKILL timer's subshell, and with it the SIGKILL: the launcher then
+    waited for process 0 for ever. The timer ignores SIGTERM now."""
+    python = stand_in(
+        tmp_path,
+        f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+        "[ \"$JAX_PROCESS_ID\" = 1 ] && exit 3\ntrap '' TERM\nexec sleep 600\n",
+    )
+    env = cpu_env(PYTHON=str(python), LOCAL_DEVICE="cpu", LOCAL_KILL_GRACE_S="3")
+    log = tmp_path / "local.log"
+    with log.open("w") as stderr:
+        launcher = subprocess.Popen(
+            [str(repo_root / "launch/local.sh"), "2"],
+            env=env,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not grace_timer_of(launcher.pid, "3"):
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 3, log.read_text()
+
+
+def grace_timer_of(session: int, grace: str) -> bool:
+    """Whether a `sleep GRACE` runs in the launcher's session (local.sh's SIGKILL timer)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc / "cmdline").read_bytes().split(b"\0")[:2] == [
+                b"sleep",
+                grace.encode(),
+            ] and os.getsid(int(proc.name)) == session:
+                return True
+        except (OSError, ValueError):  # gone meanwhile, not ours, or not a process
+            continue
+    return False
