@@ -68,21 +68,33 @@ def repo_root() -> Path:
 
 
 def compile_cache(tmp_path_factory) -> dict[str, str]:
-    """The environment of JAX's persistent compilation cache in this xdist worker's folder, for
-    every compile (the tiny programs compile in under 1 s, JAX's default threshold)."""
+    """The environment of JAX's persistent compilation cache in this run's folder, for every
+    compile (the tiny programs compile in under 1 s, JAX's default threshold). JAX writes an
+    entry unlocked: a process that reads one while another writes it warns and compiles the
+    program itself, and that warning would be a stray line in a child's stderr, which tests
+    compare."""
     return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "jax-cache"),
+        "JAX_COMPILATION_CACHE_DIR": str(run_folder(tmp_path_factory) / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "PYTHONWARNINGS": "ignore:Error reading persistent compilation cache entry",
     }
+
+
+def run_folder(tmp_path_factory) -> Path:
+    """This run's temporary folder, which both xdist workers' folders are in: one compilation
+    cache there serves them both. JAX's cache key holds the cache's own path (XLA's caches live
+    in it), so a program compiled in one worker's folder was never found from the other's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
     """The training processes tests start, and the tests' own in-process runs, compile the same
     tiny programs again and again: JAX's persistent compilation cache lets only the first of them
-    in each worker compile (a tiny CLI run took 9.5 s cold and 3.1 s warm here; a 2-process run
-    saved ~20 s). One folder for this worker's own JAX and its children, so a CLI run after the
+    in the run compile (a tiny CLI run took 9.5 s cold and 3.1 s warm here; a 2-process run
+    saved ~20 s). One folder for both workers' own JAX and their children, so a CLI run after the
     same run in-process (a resume test's reference) compiles nothing. A load from the cache still
     fires JAX's backend-compile event, so the tests that count compiles count the same; tests
     that build their own environment (`test_multihost.cpu_env`) add `compile_cache` to it."""

@@ -102,6 +102,13 @@ def reference_f32(batches):
     return losses(program_for((1, 1, 1), ["precision.compute=float32"]), batches)[0]
 
 
+@pytest.fixture(scope="module")
+def float32_on_2x2x2(batches):
+    """Losses and final state of the plain float32 step on the (2, 2, 2) mesh, the reference of
+    the tests that step that program some other way; trained once per module."""
+    return losses(program_for((2, 2, 2), ["precision.compute=float32"]), batches)
+
+
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_float32_losses_match_single_device_and_compile_once(
     mesh_shape, batches, reference_f32, compile_events
@@ -118,8 +125,8 @@ def test_bfloat16_losses_match_single_device(batches):
     np.testing.assert_allclose(got, ref, rtol=2e-3)
 
 
-def test_accumulation_matches_full_batch(batches):
-    full, full_state = losses(program_for((2, 2, 2), ["precision.compute=float32"]), batches)
+def test_accumulation_matches_full_batch(batches, float32_on_2x2x2):
+    full, full_state = float32_on_2x2x2
     accum, accum_state = losses(
         program_for((2, 2, 2), ["precision.compute=float32", "optim.accum_steps=4"]), batches
     )
@@ -196,7 +203,9 @@ def test_the_loops_cpu_step_equals_the_donating_step(batches, compile_events):
     assert float(metrics["loss"]) == other_reference[1]
 
 
-def test_the_loops_in_place_step_takes_the_feeds_batches_as_compiled(batches, compile_events):
+def test_the_loops_in_place_step_takes_the_feeds_batches_as_compiled(
+    batches, float32_on_2x2x2, compile_events
+):
     """The loop's step on GPU/TPU (in place, forced here on CPU): the device feed's batches
     arrive in exactly the shardings it was compiled for, so no step reshards or copies them
     (host-to-device and device-to-device transfers are refused while it steps), the state is
@@ -204,7 +213,7 @@ def test_the_loops_in_place_step_takes_the_feeds_batches_as_compiled(batches, co
     metrics vector reads the same numbers as the plain step's metrics."""
     program = program_for((2, 2, 2), ["precision.compute=float32"])
     step = program.stepper(in_place=True)
-    reference, _ = losses(program, batches)
+    reference, _ = float32_on_2x2x2
     state = program.init()
     got = []
     with jax.set_mesh(program.mesh):
