@@ -929,7 +929,13 @@ def on_two_joined_processes(
             )
             for i, process_args in enumerate(args)
         ]
-        printed = [p.communicate(timeout=120)[0] for p in procs]
+        try:
+            printed = [p.communicate(timeout=120)[0] for p in procs]
+        finally:  # a timeout: JAX's handler takes SIGTERM, so only SIGKILL ends them
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return [p.returncode for p in procs], printed
 
 
