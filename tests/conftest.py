@@ -5,6 +5,8 @@ devices. Only `python -m pytest -m gpu` (tests/test_attention_gpu.py) runs on th
 
 import os
 import re
+import shutil
+import subprocess
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -118,6 +120,21 @@ def _use_compile_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()  # the cache reads its folder once; make it read it again
+
+
+def preloadable_library(tmp_path_factory, name: str, source: str) -> Path:
+    """`source` (C) built as a shared library for LD_PRELOAD, to make chosen system calls of a
+    child process fail with a real errno; skips the test without a C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip(f"needs a C compiler to build {name}")
+    folder = tmp_path_factory.mktemp(name)
+    (folder / f"{name}.c").write_text(source)
+    library = folder / f"{name}.so"
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", library, folder / f"{name}.c", "-ldl"], check=True
+    )
+    return library
 
 
 # A small but real model and run shape shared by the end-to-end tests.

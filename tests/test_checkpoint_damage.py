@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import TINY
+from conftest import TINY, preloadable_library
 
 from trainer.config import load_config
 from trainer.errors import TrainingError
@@ -438,17 +438,7 @@ FAILING(preadv, (int fd, const struct iovec *v, int c, off_t o), (fd, v, c, o))
 
 @pytest.fixture(scope="module")
 def failing_reads(tmp_path_factory) -> Path:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("needs a C compiler to build the library that fails reads")
-    folder = tmp_path_factory.mktemp("failing-reads")
-    (folder / "failing_reads.c").write_text(FAILING_READS)
-    library = folder / "failing_reads.so"
-    subprocess.run(
-        [compiler, "-shared", "-fPIC", "-o", library, folder / "failing_reads.c", "-ldl"],
-        check=True,
-    )
-    return library
+    return preloadable_library(tmp_path_factory, "failing_reads", FAILING_READS)
 
 
 @pytest.mark.slow

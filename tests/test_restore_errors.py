@@ -12,7 +12,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 import pytest
-from conftest import TINY, tiny_cli, tiny_run
+from conftest import TINY, preloadable_library, tiny_cli, tiny_run
 from test_multihost import on_two_joined_processes
 
 from trainer.train import run
@@ -193,17 +193,7 @@ DIR *opendir(const char *path) {
 
 @pytest.fixture(scope="module")
 def failing_listing(tmp_path_factory) -> Path:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("needs a C compiler to build the library that fails a listing")
-    folder = tmp_path_factory.mktemp("failing-listing")
-    (folder / "failing_listing.c").write_text(FAILING_LISTING)
-    library = folder / "failing_listing.so"
-    subprocess.run(
-        [compiler, "-shared", "-fPIC", "-o", library, folder / "failing_listing.c", "-ldl"],
-        check=True,
-    )
-    return library
+    return preloadable_library(tmp_path_factory, "failing_listing", FAILING_LISTING)
 
 
 @pytest.mark.slow
