@@ -164,16 +164,25 @@ class HFTokenizer:
         return model_file_spec(self.name, self.vocab_size, self.model_file)
 
 
+def model_proto(processor: Any) -> Any | None:
+    """A SentencePiece model's settings (its `normalizer_spec`, `trainer_spec`), or None when
+    they cannot be read: no protobuf, or one its generated code does not suit."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except (ImportError, TypeError):
+        return None
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(processor.serialized_model_proto())
+    return model
+
+
 def cuts_at_word_starts(processor: Any) -> bool:
     """Whether `word_start_pieces` encode exactly as the whole text with this SentencePiece
     model: identity normalization that keeps every space (as `train_sentencepiece` writes), words
     split at spaces, and a dummy prefix standing in for the space a piece leaves out."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-    except (ImportError, TypeError):  # no protobuf, or one its generated code does not suit
+    model = model_proto(processor)
+    if model is None:
         return False  # then encode whole, as before
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(processor.serialized_model_proto())
     normalizer, trainer = model.normalizer_spec, model.trainer_spec
     return (
         normalizer.name == "identity"

@@ -24,6 +24,7 @@ from input_pipeline.tokenizers import (
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
+    model_proto,
 )
 from trainer.hf import hf_folder
 
@@ -203,12 +204,9 @@ def write_sentencepiece_tokenizer(model_file: Path, out: Path, context: int) -> 
 def unlike_llama(processor: Any) -> str | None:
     """How a SentencePiece model normalizes text unlike Llama's (None: as Llama's, or unknown:
     the model proto cannot be read without protobuf)."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-    except (ImportError, TypeError):  # no protobuf, or one its generated code does not suit
+    model = model_proto(processor)
+    if model is None:
         return None
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(processor.serialized_model_proto())
     differs = [
         f"{key}={getattr(model.normalizer_spec, key)}"
         for key, llama in LLAMA_NORMALIZER.items()
