@@ -172,7 +172,7 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
 
     loader = program(2, 2, 4)
     checkpointer = Checkpointer(tmp_path, CheckpointConfig())
-    restored, data_state = checkpointer.restore(3, loader.abstract_state())
+    restored, data_state, _ = checkpointer.restore(3, loader.abstract_state())
     checkpointer.close()
     assert data_state == {"position": 7}
     assert int(restored.step) == 0

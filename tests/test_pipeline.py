@@ -117,7 +117,7 @@ def test_checkpoints_restore_across_stage_counts(
     for mesh_shape in restored_on:
         program = program_for(mesh_shape)
         checkpointer = Checkpointer(tmp_path, CheckpointConfig())
-        restored, _ = checkpointer.restore(5, program.abstract_state())
+        restored, _, _ = checkpointer.restore(5, program.abstract_state())
         checkpointer.close()
         for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

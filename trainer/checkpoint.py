@@ -144,9 +144,8 @@ class Checkpointer:
         except (FileNotFoundError, NotADirectoryError):
             return  # for the manager to create, or to refuse in its own line
         except OSError as err:
-            name = errno.errorcode.get(err.errno, str(err.errno))
             raise TrainingError(
-                f"cannot read checkpoint folder {self.directory} ({err.strerror} [{name}]); "
+                f"cannot read checkpoint folder {self.directory} ({_os_error(err.errno)}); "
                 "nothing in it was changed: check the storage it is on (its mount, its "
                 "permissions) and re-run"
             ) from None
@@ -442,13 +441,6 @@ class Checkpointer:
 
     def restore(
         self, step: int, target: TrainState, run_config: dict[str, Any] | None = None
-    ) -> tuple[TrainState, dict | None]:
-        """`(state, data position)` of `step`, as `restore_with_meta` reads them."""
-        state, data_state, _ = self.restore_with_meta(step, target, run_config)
-        return state, data_state
-
-    def restore_with_meta(
-        self, step: int, target: TrainState, run_config: dict[str, Any] | None = None
     ) -> tuple[TrainState, dict | None, dict[str, Any]]:
         """`(state, data position, metadata)` of `step`: the metadata is the one this restore
         read, for the caller to use rather than read again after the restore.
@@ -690,10 +682,14 @@ def _read_problem(err: BaseException) -> str | None:
         if code is None and (found := TENSORSTORE_OS_ERROR.search(str(e))) is not None:
             code = int(found[1])
         if code is not None and code != errno.ENOENT:
-            name = errno.errorcode.get(code, str(code))
             where = f" reading {e.filename}" if getattr(e, "filename", None) else ""
-            return f"{os.strerror(code)} [{name}]{where}"
+            return f"{_os_error(code)}{where}"
     return None
+
+
+def _os_error(code: int) -> str:
+    """An OS error in words, with its name to search for: "Stale file handle [ESTALE]"."""
+    return f"{os.strerror(code)} [{errno.errorcode.get(code, str(code))}]"
 
 
 def _damage(err: BaseException) -> str | None:

@@ -307,7 +307,7 @@ def restore_or_init(
         return program.init(), 0, {}
     target = program.abstract_state()
     step, (state, data_state, meta) = checkpointer.restore_newest(
-        lambda step: checkpointer.restore_with_meta(step, target, config.to_dict())
+        lambda step: checkpointer.restore(step, target, config.to_dict())
     )
     if data_state is not None and resumes_position(train_iter):
         train_iter.set_state(data_state)  # else it starts again; `announce` says so
