@@ -122,6 +122,14 @@ def _use_compile_cache(directory: str | None) -> None:
     compilation_cache.reset_cache()  # the cache reads its folder once; make it read it again
 
 
+def error_lines_of_a_user_error(done: subprocess.CompletedProcess) -> list[str]:
+    """The `error:` lines of a CLI run that must have ended as a user error: exit 2, and no
+    traceback anywhere in its stderr."""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
 def preloadable_library(tmp_path_factory, name: str, source: str) -> Path:
     """`source` (C) built as a shared library for LD_PRELOAD, to make chosen system calls of a
     child process fail with a real errno; skips the test without a C compiler."""
