@@ -331,11 +331,6 @@ def process_logs(skip_log: Path) -> list[Path]:
     return sorted(logs | {skip_log})
 
 
-def count_skipped(skip_log: str | Path) -> int:
-    """Distinct records listed in `skip_log` (read once; `SkippedCount` for repeated counts)."""
-    return SkippedCount(skip_log)()
-
-
 class MemorySource:
     """A split's records held in RAM (`data.cache=memory`): one bytes buffer plus offsets, read
     once from a `CheckedSource` after the checksums were verified; the same random-access

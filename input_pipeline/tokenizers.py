@@ -71,7 +71,8 @@ class ByteTokenizer:
 
 
 class SentencePieceTokenizer:
-    """A SentencePiece model; batches are encoded on every core by SentencePiece's own threads."""
+    """A SentencePiece model; batches are encoded on every core by SentencePiece's own threads.
+    `processor` is the loaded model, for what else reads its settings (the Hugging Face export)."""
 
     name = "sentencepiece"
 
@@ -80,15 +81,15 @@ class SentencePieceTokenizer:
 
         self.model_file = Path(model_file)
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.model_file))
+            self.processor = spm.SentencePieceProcessor(model_file=str(self.model_file))
         except (OSError, RuntimeError) as err:
             raise DataError(
                 f"{self.model_file} is not a readable SentencePiece model ({err}); pass a .model "
                 "file written by SentencePiece, or --tokenizer sentencepiece to train one"
             ) from None
-        self.vocab_size = int(self._sp.vocab_size())
+        self.vocab_size = int(self.processor.vocab_size())
         self._threads = threads or os.cpu_count() or 1  # fewer per process in a pool
-        self._piece_chars = ENCODE_PIECE_CHARS if cuts_at_word_starts(self._sp) else None
+        self._piece_chars = ENCODE_PIECE_CHARS if cuts_at_word_starts(self.processor) else None
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
@@ -96,7 +97,7 @@ class SentencePieceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         limit = self._piece_chars
         short = [text for text in texts if limit is None or len(text) <= limit]
-        ids = iter(self._sp.encode(short, num_threads=self._threads) if short else [])
+        ids = iter(self.processor.encode(short, num_threads=self._threads) if short else [])
         return [
             np.asarray(next(ids), dtype=np.int64)
             if limit is None or len(text) <= limit
@@ -112,12 +113,14 @@ class SentencePieceTokenizer:
         arrays = [
             np.asarray(row, dtype=np.int64)
             for start in range(0, len(pieces), batch)
-            for row in self._sp.encode(pieces[start : start + batch], num_threads=self._threads)
+            for row in self.processor.encode(
+                pieces[start : start + batch], num_threads=self._threads
+            )
         ]
         return np.concatenate(arrays)
 
     def decode(self, ids: np.ndarray) -> str:
-        return self._sp.decode(np.asarray(ids).tolist())
+        return self.processor.decode(np.asarray(ids).tolist())
 
     def spec(self) -> dict[str, Any]:
         return model_file_spec(self.name, self.vocab_size, self.model_file)

@@ -632,15 +632,13 @@ def run_config(*overrides):
 
 
 def test_the_runs_first_line_names_the_kernel_on_cpu():
-    note = attention.run_attention_note(run_config("precision.compute=float32"), builtin=True)
+    note = attention.run_attention_note(run_config("precision.compute=float32"))
     assert note == "; attention xla (packed rows, cpu, float32)"
     dropping = run_config("model.dropout=0.2")
-    assert attention.run_attention_note(dropping, builtin=True) == (
+    assert attention.run_attention_note(dropping) == (
         "; attention xla (packed rows, cpu, bfloat16), xla_dropout while training "
         "(model.dropout=0.2)"
     )
-    assert attention.run_attention_note(run_config(), builtin=False) == ""
-    assert attention.run_attention_note(run_config("model.kind=pkg:build"), builtin=True) == ""
 
 
 def test_the_runs_first_line_names_the_kernel_that_passed_its_probe(monkeypatch):
@@ -648,5 +646,5 @@ def test_the_runs_first_line_names_the_kernel_that_passed_its_probe(monkeypatch)
     monkeypatch.setattr(
         kernels, "probe", lambda kernel, *a: None if kernel == "cudnn_packed" else "native"
     )
-    note = attention.run_attention_note(run_config(), builtin=True)
+    note = attention.run_attention_note(run_config())
     assert note == "; attention pallas (packed rows, gpu cc 9.0, bfloat16)"

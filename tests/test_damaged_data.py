@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import documents, records_in, tiny_cli
+from skiplog import count_skipped
 
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
@@ -22,7 +23,6 @@ from input_pipeline.mixture import MixedStream
 from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
-from input_pipeline.records import count_skipped
 from input_pipeline.tfrecords import TFRecordShard
 
 RUN_TIMEOUT_S = 240  # a tiny run takes seconds; a hang never ends

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import documents, same, take
+from skiplog import count_skipped
 
 from input_pipeline.corpora import resolve_dataset
 from input_pipeline.dataset_info import load_dataset_info
@@ -452,7 +453,6 @@ def test_memory_cache_lists_skipped_records_before_the_workdir_exists(dataset, t
     """Before: data.cache=memory reads every shard before the run makes its workdir, and the
     first skipped record was a FileNotFoundError traceback."""
     from input_pipeline.pipeline import memory_source
-    from input_pipeline.records import count_skipped
 
     info, _ = corrupt_copy(dataset, tmp_path)
     log = tmp_path / "workdir" / "skipped.jsonl"
@@ -464,8 +464,6 @@ def test_memory_cache_lists_skipped_records_before_the_workdir_exists(dataset, t
 def test_skip_log_lists_each_bad_record_once_however_many_epochs(dataset, tmp_path, shuffle):
     """Before: every epoch appended the same skipped records again, so a long run over a small
     dataset grew the skip log (re-read at every metrics line) without bound."""
-    from input_pipeline.records import count_skipped
-
     info, _ = corrupt_copy(dataset, tmp_path)
     counts = {}
     for epochs in (1, 4):

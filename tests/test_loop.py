@@ -227,7 +227,7 @@ def test_a_stop_between_evals_names_the_step_of_the_eval_loss_it_reports(
     import os
     import signal
 
-    from trainer.main import finished_line
+    from trainer.main import finished
 
     write = MetricsWriter.write
 
@@ -242,5 +242,5 @@ def test_a_stop_between_evals_names_the_step_of_the_eval_loss_it_reports(
     )
     result = run(config)
     assert result.eval_step == 5 < result.step < 10
-    line = finished_line(result, 40)
+    line, _ = finished(result, 40)
     assert line.endswith(f"; eval_loss={result.eval_loss:.4f} (at step 5)"), line

@@ -5,8 +5,9 @@ once its newline is written."""
 import json
 
 from conftest import take
+from skiplog import count_skipped
 
-from input_pipeline.records import SkippedCount, append_line, count_skipped
+from input_pipeline.records import SkippedCount, append_line
 from input_pipeline.streams import close_readers
 
 

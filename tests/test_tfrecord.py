@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import documents, records_in, same, take
+from skiplog import count_skipped
 
 from input_pipeline import tfdata
 from input_pipeline.dataset_info import load_dataset_info
@@ -15,7 +16,6 @@ from input_pipeline.pipeline import make_batch_iterator
 from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
-from input_pipeline.records import count_skipped
 from input_pipeline.tfrecords import any_readable_record
 from trainer.config import load_config
 from trainer.errors import ConfigError

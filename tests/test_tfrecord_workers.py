@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from skiplog import count_skipped
 from test_skip_hang import train
 from test_tfrecord import garbled_copy
 
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
-from input_pipeline.records import SkipLog, count_skipped
+from input_pipeline.records import SkipLog
 from input_pipeline.shares import ShareUnreadable
 from input_pipeline.tfrecords import EmptyShards, TFRecordShard
 

@@ -40,12 +40,12 @@ TRICKY = [
 @pytest.mark.parametrize("piece_chars", [1, 7, 64, 1000])
 def test_pieces_encode_to_the_whole_texts_ids(model_file, text, piece_chars):
     tokenizer = SentencePieceTokenizer(model_file, threads=2)
-    whole = np.asarray(tokenizer._sp.encode(text), dtype=np.int64)
+    whole = np.asarray(tokenizer.processor.encode(text), dtype=np.int64)
     tokenizer._piece_chars = piece_chars
     assert tokenizer.encode(text).tolist() == whole.tolist()
     batch = tokenizer.encode_batch(["short one", text, "", text[:3]])
     assert [ids.tolist() for ids in batch] == [
-        tokenizer._sp.encode(t) for t in ["short one", text, "", text[:3]]
+        tokenizer.processor.encode(t) for t in ["short one", text, "", text[:3]]
     ]
 
 

@@ -91,20 +91,22 @@ def train(config: Config) -> tuple[str, bool]:
     except Stopped as stop:
         quiet_asyncio()
         return stop.line(), True
-    return finished_line(result, config.run.steps), result.step < config.run.steps
+    return finished(result, config.run.steps)
 
 
-def finished_line(result: RunResult, steps: int) -> str:
+def finished(result: RunResult, steps: int) -> tuple[str, bool]:
     """The run's last line: its step, whether it stopped early, and its latest eval_loss, with
-    the step it was measured at when that is not the last one (a stop between evals)."""
+    the step it was measured at when that is not the last one (a stop between evals); and
+    whether it stopped before `steps`."""
     summary = f"finished at step {result.step}"
-    if result.step < steps:  # a stop request: the loop saved and said so
+    stopped = result.step < steps  # a stop request: the loop saved and said so
+    if stopped:
         summary += f" of {steps}: stopped early, re-run the same command to resume"
     if result.eval_loss is not None:
         summary += f"; eval_loss={result.eval_loss:.4f}"
         if result.eval_step is not None and result.eval_step != result.step:
             summary += f" (at step {result.eval_step})"
-    return summary
+    return summary, stopped
 
 
 def end_alone_if_joined(status: int) -> int:

@@ -109,9 +109,6 @@ class StepMetrics:
         values = jnp.stack([jnp.asarray(value, jnp.float32) for value in metrics.values()])
         return cls(values, tuple(metrics))
 
-    def __getitem__(self, name: str) -> jax.Array:
-        return self.values[self.names.index(name)]
-
     def start_copy(self) -> None:
         """Queue the copy to the host behind the step, so `read` takes no round trip."""
         self.values.copy_to_host_async()

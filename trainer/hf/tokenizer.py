@@ -84,7 +84,7 @@ def write_tokenizer(tokenizer: Tokenizer | None, out: Path, context: int) -> dic
     if isinstance(tokenizer, ByteTokenizer):
         return write_byte_tokenizer(out, context)
     if isinstance(tokenizer, SentencePieceTokenizer):
-        return write_sentencepiece_tokenizer(tokenizer.model_file, out, context)
+        return write_sentencepiece_tokenizer(tokenizer, out, context)
     if isinstance(tokenizer, HFTokenizer):
         return write_hf_tokenizer(tokenizer, out, context)
     print(
@@ -158,14 +158,14 @@ def byte_level_alphabet() -> list[str]:
     return chars
 
 
-def write_sentencepiece_tokenizer(model_file: Path, out: Path, context: int) -> dict[str, Any]:
+def write_sentencepiece_tokenizer(
+    tokenizer: SentencePieceTokenizer, out: Path, context: int
+) -> dict[str, Any]:
     """SentencePiece data: the `tokenizer.model`, and settings that keep transformers from adding
     a BOS or EOS (prepare added none) and from reading `<s>` typed in a text as the BOS token
     (SentencePiece encodes it as text)."""
-    import sentencepiece as spm
-
-    shutil.copyfile(model_file, out / SENTENCEPIECE_FILE)
-    processor = spm.SentencePieceProcessor(model_file=str(model_file))
+    shutil.copyfile(tokenizer.model_file, out / SENTENCEPIECE_FILE)
+    processor = tokenizer.processor
     ids = {
         role: processor.id_to_piece(index) if 0 <= index < processor.vocab_size() else None
         for role, index in (
@@ -190,9 +190,9 @@ def write_sentencepiece_tokenizer(model_file: Path, out: Path, context: int) -> 
     _write_json(out / HF_TOKENIZER_CONFIG, settings)
     if reason := unlike_llama(processor):
         print(
-            f"warning: {model_file.name} {reason}; transformers 5 tokenizes it as the training "
-            "data was, transformers 4's LlamaTokenizerFast (which converts it as Llama's) does "
-            "not",
+            f"warning: {tokenizer.model_file.name} {reason}; transformers 5 tokenizes it as the "
+            "training data was, transformers 4's LlamaTokenizerFast (which converts it as "
+            "Llama's) does not",
             file=sys.stderr,
         )
     return {

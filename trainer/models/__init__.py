@@ -46,7 +46,7 @@ TRANSFORMER = ModelSpec(
     pipelined=True,
     decoder=Decoder(KVCache.empty, decode),
     hf=HfAdapter(hf_config, save_hf_weights, load_hf_params),
-    startup_note=functools.partial(run_attention_note, builtin=True),
+    startup_note=run_attention_note,
 )
 MODELS: Mapping[str, ModelSpec] = MappingProxyType({"transformer": TRANSFORMER})
 

@@ -154,12 +154,11 @@ def attention_banner(requested: str, facts: AttentionFacts) -> str:
     return line
 
 
-def run_attention_note(config: Any, builtin: bool) -> str:
+def run_attention_note(config: Any) -> str:
     """`; attention ...` for the run's first line: the kernel the built-in transformer runs at
-    the configured shapes ("" for a caller's or an imported model, whose attention is its own)."""
+    the configured shapes (its `ModelSpec.startup_note`; a caller's or an imported model has
+    none, its attention is its own)."""
     model = config.model
-    if not builtin or model.kind != "transformer":
-        return ""
     platform, compute_capability = device_facts()
     facts = AttentionFacts(
         platform=platform,
