@@ -68,16 +68,29 @@ class DatasetInfo:
                 )
         return paths
 
+    def checksums(self) -> list[tuple[Path, str | None]]:
+        """Every shard of every split, with the sha256 `prepare` recorded (None: not recorded)."""
+        return [
+            (path, shard.get("sha256"))
+            for name in self.raw.get("splits", {})
+            for path, shard in zip(self.shard_paths(name), self.split(name)["shards"], strict=True)
+        ]
+
+    def mismatch(self, path: Path) -> str:
+        """What is said of the shard at `path` whose bytes do not match their sha256."""
+        return (
+            f"shard {path} does not match the checksum in {self.path / INFO_FILE} (changed or "
+            "damaged since prepare); restore it or re-run python -m input_pipeline.prepare "
+            "--overwrite (data.verify_checksums=false skips this)"
+        )
+
     def verify_checksums(self, verified: VerifiedShards | None = None) -> None:
         """Compare every shard with the sha256 `prepare` recorded: a shard changed or damaged
         since then fails here, before training, rather than as odd batches later. Shards are
         hashed on parallel threads (hashlib releases the GIL); those `verified` holds unchanged
-        since they matched are not read again, and those that match now are added to it."""
-        shards = [
-            (path, shard.get("sha256"), file_stamp(path))
-            for name in self.raw.get("splits", {})
-            for path, shard in zip(self.shard_paths(name), self.split(name)["shards"], strict=True)
-        ]
+        since they matched are not read again, and those that match now are added to it.
+        (Several processes check their shards together: `trainer.data.verify_shards_together`.)"""
+        shards = [(path, expected, file_stamp(path)) for path, expected in self.checksums()]
         if verified is not None:
             shards = [
                 (path, expected, stamp)
@@ -88,11 +101,7 @@ class DatasetInfo:
             actual = list(pool.map(sha256_of, [path for path, _, _ in shards]))
         for (path, expected, _), digest in zip(shards, actual, strict=True):
             if expected and digest != expected:
-                raise DataError(
-                    f"shard {path} does not match the checksum in {self.path / INFO_FILE} "
-                    "(changed or damaged since prepare); restore it or re-run python -m "
-                    "input_pipeline.prepare --overwrite (data.verify_checksums=false skips this)"
-                )
+                raise DataError(self.mismatch(path))
         if verified is not None and shards:
             for path, expected, stamp in shards:
                 if expected:

@@ -1,13 +1,25 @@
 """The shards this host has already checked against their sha256. A shard that is the same file,
 unchanged since (size, modification and change times), is not read again: a restart, such as a
 Slurm requeue, of a run over hundreds of GB of shards starts without re-reading them all. The
-change time cannot be set back by copying tools, so a shard rewritten in place is read again."""
+change time cannot be set back by copying tools, so a shard rewritten in place is read again.
+
+Processes that start together read each shard once among them where they read the same files
+(`shards_to_hash`): a shard every process sees with the same `shared_stamp` is one file on
+shared storage (NFS and Lustre give each client the server's inode number and times), so one
+process's hash of it holds for all. Separate copies made by copying tools differ in their change
+times. A disk image cloned to every host does not: its copies look shared, and each host hashes
+only its share of its own copy. Every shard of the image is still checked, on one host's copy;
+bytes that differ on another host's copy without a change of its stamp (damaged in the cloning,
+or on that disk since) are caught only as they are read (ArrayRecord chunk and TFRecord record
+checksums), as on a restart that trusts this record."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 from input_pipeline.atomic import write_json
 
@@ -18,6 +30,34 @@ def file_stamp(path: str | Path) -> str:
     """What changes whenever the file at `path` is replaced or written."""
     st = os.stat(path)
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def shared_stamp(path: str | Path) -> tuple[int, int, int, int]:
+    """`file_stamp` without the device number, which each host numbers its mounts by: what
+    every host that mounts the same file sees alike."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def shards_to_hash(
+    stamps_PxSx4: np.ndarray, unchecked_PxS: np.ndarray, me: int
+) -> tuple[np.ndarray, list[int]]:
+    """Which shards each process sees as one shared file, and which of the shards process `me`
+    hashes, from every process's `shared_stamp` of every shard and whether its record lacks it.
+    A shared shard any process lacks is hashed by one process: largest first, each to the
+    process with the fewest bytes to hash so far (the lowest on a tie). Any other shard is
+    hashed by every process whose record lacks it, each its own copy."""
+    shared_S = (stamps_PxSx4 == stamps_PxSx4[0]).all(axis=(0, 2))
+    mine = [s for s in range(len(shared_S)) if not shared_S[s] and unchecked_PxS[me, s]]
+    sizes = stamps_PxSx4[0, :, 1]
+    to_split = [s for s in range(len(shared_S)) if shared_S[s] and unchecked_PxS[:, s].any()]
+    loads = [0] * len(stamps_PxSx4)
+    for shard in sorted(to_split, key=lambda s: (-sizes[s], s)):
+        process = loads.index(min(loads))
+        loads[process] += int(sizes[shard])
+        if process == me:
+            mine.append(shard)
+    return shared_S, sorted(mine)
 
 
 class VerifiedShards:

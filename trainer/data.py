@@ -16,15 +16,17 @@ import hashlib
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from input_pipeline.corpora import default_cache_dir, resolve_dataset
-from input_pipeline.dataset_info import DatasetInfo, load_dataset_info
+from input_pipeline.dataset_info import DatasetInfo, load_dataset_info, sha256_of
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
 from input_pipeline.packing import blank_batch
@@ -33,13 +35,22 @@ from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, SkippedCount, available_memory, memory_needed
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
-from input_pipeline.verified import VERIFIED_FILE, VerifiedShards
+from input_pipeline.verified import (
+    VERIFIED_FILE,
+    VerifiedShards,
+    file_stamp,
+    shards_to_hash,
+    shared_stamp,
+)
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
+from trainer.parallel.distributed import data_not_opened, gather_rows
 
 # This process's place among the processes that feed distinct rows of a batch, and their count
 # (`input_pipeline.device.row_feeders`, computed once per run from its mesh).
 Feeders = tuple[int, int]
+# What a process found of each shard of a check shared among processes (`verify_shards_together`).
+NOT_HASHED, MATCHES, DIFFERS, UNREADABLE = range(4)
 
 
 @dataclass
@@ -60,6 +71,7 @@ class DataSources:
     feeders: int = 1  # processes feeding distinct rows: a batch's global row count is theirs
     load_tokenizer: Callable[[], Tokenizer] | None = None  # the prepared data's, for samples
     without_evals: str = "no eval_data given; training without evals"  # said when make_eval is None
+    unchecked: tuple[DatasetInfo, ...] = ()  # datasets left to `verify_shards_together`
 
 
 @dataclass(frozen=True)
@@ -126,13 +138,18 @@ def skip_log_path(workdir: str | Path) -> Path:
 
 
 def dataset_sources(
-    data: DataConfig, *, seed: int, skip_log: Path | None = None, feeders: Feeders = (0, 1)
+    data: DataConfig,
+    *,
+    seed: int,
+    skip_log: Path | None = None,
+    feeders: Feeders = (0, 1),
+    verify: bool = True,
 ) -> DataSources:
     """The configured datasets' train batches (this process's rows as feeder `feeders`), their
     eval data, and what checkpoints record about them; unreadable records are listed in
-    `skip_log`."""
+    `skip_log`. `verify=False` leaves the shards' check to `verify_shards_together`."""
     reading = train_reading(data, seed, skip_log)
-    sources = load_sources(data, reading)
+    sources = load_sources(data, reading, verify)
     train = stream_batches(data, sources, "train", reading, feeders)
 
     def eval_of(source: Source) -> Callable[[], StreamBatches]:
@@ -164,6 +181,7 @@ def dataset_sources(
         load_tokenizer=functools.partial(get_tokenizer, first.tokenizer, first.path),
         without_evals=f"data {description} has no eval split; training without evals (prepare "
         "it with --eval-fraction or --eval-input to get eval_loss)",
+        unchecked=() if verify else tuple(s.info for s in sources),
     )
 
 
@@ -238,9 +256,10 @@ def identity(sources: list[Source]) -> tuple[str, str]:
     )
 
 
-def load_sources(data: DataConfig, reading: Reading) -> list[Source]:
+def load_sources(data: DataConfig, reading: Reading, verify: bool = True) -> list[Source]:
     """`data.mixture`'s datasets, or `data.path` alone, loaded and checked: distinct names, one
-    tokenizer, and with `data.cache=memory` every split in RAM."""
+    tokenizer, their shards' checksums (unless not `verify`), and with `data.cache=memory` every
+    split in RAM."""
     entries = data.mixture or [MixtureSource(path=data.path, weight=1.0)]
     names = [e.name or Path(e.path).name for e in entries]
     for name in names:
@@ -252,7 +271,7 @@ def load_sources(data: DataConfig, reading: Reading) -> list[Source]:
         [f"data.mixture[{i}].path" for i in range(len(entries))] if data.mixture else ["data.path"]
     )
     infos = {
-        name: load_dataset(data, e.path, key)
+        name: load_dataset(data, e.path, key, verify)
         for name, e, key in zip(names, entries, keys, strict=True)
     }
     check_same_tokenizer(infos)
@@ -263,19 +282,107 @@ def load_sources(data: DataConfig, reading: Reading) -> list[Source]:
     ]
 
 
-def load_dataset(data: DataConfig, path: str | None = None, key: str = "data.path") -> DatasetInfo:
+def load_dataset(
+    data: DataConfig, path: str | None = None, key: str = "data.path", verify: bool = True
+) -> DatasetInfo:
     """The prepared dataset folder `path` (default `data.path`; built-in corpora are prepared on
     first use), named by config key `key`, its shards checked against their recorded checksums
-    unless `data.verify_checksums` is off."""
+    unless `data.verify_checksums` is off (or `verify` is: the caller checks them)."""
     info = load_dataset_info(resolve_dataset(path or data.path, data.cache_dir, key))
-    if data.verify_checksums:
+    if data.verify_checksums and not verify:
+        info.checksums()  # a missing shard fails here, as the data opens, not in the later check
+    elif data.verify_checksums:
         try:
             info.verify_checksums(verified_shards(data))
         except DataError as err:
-            if not data.skip_corrupt:
-                raise
-            print(f"warning: {err}; reading on since data.skip_corrupt=true", file=sys.stderr)
+            _stop_or_warn(data, str(err))
     return info
+
+
+def _stop_or_warn(data: DataConfig, error: str) -> None:
+    """A shard that failed its check stops the run, or with `data.skip_corrupt` is a warning."""
+    if not data.skip_corrupt:
+        raise DataError(error)
+    print(f"warning: {error}; reading on since data.skip_corrupt=true", file=sys.stderr)
+
+
+def verify_shards_together(
+    data: DataConfig, datasets: Sequence[DatasetInfo], setting: tuple[str, str]
+) -> None:
+    """`load_dataset`'s check of the shards of `datasets`, by all the processes of a run at
+    once, so that on shared storage each shard is read once among them (`shards_to_hash`), not
+    once by every host. A shard that does not match stops every process, each with the same line
+    where they share it (`data.skip_corrupt`: a warning); one found unreadable, or differing in a
+    host's own copy, stops the others with a line naming that process (`setting`, the config
+    key and value of the data, says where). Every process reaches each all-gather, whatever it
+    finds. Call it on every process once `check_same_data` has passed: their datasets, and so
+    their lists of shards, are the same."""
+    shards = [(info, path, sha) for info in datasets for path, sha in info.checksums() if sha]
+    if not (data.verify_checksums and shards):
+        return
+    record, me = verified_shards(data), jax.process_index()
+    stamps = [_stamps(path) for _, path, _ in shards]
+    shared_S, mine = _whose_shards(shards, stamps, record, me)
+    with ThreadPoolExecutor() as pool:  # hashlib releases the GIL
+        hashed = dict(zip(mine, pool.map(lambda s: _hash(*shards[s]), mine), strict=True))
+    found_S = [hashed.get(s, (NOT_HASHED, ""))[0] for s in range(len(shards))]
+    found_PxS, _ = gather_rows(np.array(found_S, np.uint8))
+    matched_S = np.where(shared_S, (found_PxS == MATCHES).any(axis=0), found_PxS[me] == MATCHES)
+    for (_, path, sha), (_, stamp), matched in zip(shards, stamps, matched_S, strict=True):
+        if matched:
+            record.add(path, stamp, sha)
+    record.save()
+    failed_PxS = found_PxS >= DIFFERS
+    differs_shared = np.flatnonzero(shared_S & (found_PxS == DIFFERS).any(axis=0))
+    if differs_shared.size:  # every process says it
+        info, path, _ = shards[differs_shared[0]]
+        _stop_or_warn(data, info.mismatch(path))
+    elif failed_PxS[me].any():
+        _stop_or_warn(data, hashed[np.flatnonzero(failed_PxS[me])[0]][1])
+    elif failed_PxS.any() and not data.skip_corrupt:  # that process says why
+        raise ConfigError(data_not_opened(np.flatnonzero(failed_PxS.any(axis=1))[0], *setting))
+
+
+def _whose_shards(
+    shards: list[tuple[DatasetInfo, Path, str]],
+    stamps: list[tuple[tuple[int, ...], str]],
+    record: VerifiedShards,
+    me: int,
+) -> tuple[np.ndarray, list[int]]:
+    """`shards_to_hash` of every process's stamps of `shards` and of those its `record` lacks."""
+    mine_Sx5 = [
+        [*shared, not record.known(path, stamp, sha)]
+        for (_, path, sha), (shared, stamp) in zip(shards, stamps, strict=True)
+    ]
+    everyone_PxSx5 = _gather_int64(np.array(mine_Sx5, np.int64))
+    return shards_to_hash(everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0, me)
+
+
+def _stamps(path: Path) -> tuple[tuple[int, ...], str]:
+    """`shared_stamp` and `file_stamp` of a shard; none for one gone since it was listed (which
+    its hash then says)."""
+    try:
+        return shared_stamp(path), file_stamp(path)
+    except OSError:
+        return (-1, -1, -1, -1), ""
+
+
+def _hash(info: DatasetInfo, path: Path, sha256: str) -> tuple[int, str]:
+    """What hashing the shard at `path` finds, and the line saying what is wrong with it."""
+    try:
+        return (MATCHES if sha256_of(path) == sha256 else DIFFERS), info.mismatch(path)
+    except OSError as err:
+        return UNREADABLE, (
+            f"cannot read shard {path} to check it ({err.strerror or err}); repair that storage "
+            "or restore the shard (data.verify_checksums=false skips this)"
+        )
+
+
+def _gather_int64(mine: np.ndarray) -> np.ndarray:
+    """Every process's `mine` (int64), stacked: sent as bytes, since JAX holds only 32-bit
+    integers unless told otherwise."""
+    everyone, _ = gather_rows(np.ascontiguousarray(mine, np.int64).view(np.uint8))
+    return np.ascontiguousarray(everyone).view(np.int64)
 
 
 def verified_shards(data: DataConfig) -> VerifiedShards:
@@ -305,8 +412,8 @@ def memory_caches(
     data: DataConfig, infos: dict[str, DatasetInfo], reading: Reading
 ) -> dict[str, dict[str, MemorySource]]:
     """With `data.cache=memory`, every split of every dataset read into RAM (checksums were
-    verified by `load_dataset`); a one-line error first when they do not fit in the memory this
-    host has available."""
+    verified by `load_dataset`, or are next, by `verify_shards_together`); a one-line error first
+    when they do not fit in the memory this host has available."""
     if data.cache != "memory":
         return {name: {} for name in infos}
     sizes = [

@@ -25,6 +25,7 @@ from trainer.data import (
     skip_log_path,
     stream_count,
     user_sources,
+    verify_shards_together,
 )
 from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
@@ -152,7 +153,11 @@ def open_data(
         )
         skip_log = skip_log_path(config.run.workdir)
         return dataset_sources(
-            config.data, seed=config.run.seed, skip_log=skip_log, feeders=feeders
+            config.data,
+            seed=config.run.seed,
+            skip_log=skip_log,
+            feeders=feeders,
+            verify=jax.process_count() == 1,  # several: together, in `open_same_data`
         )
     sources = user_sources(data, eval_data, feeders=feeders)
     if model is None:  # the built-in model's packed kernel takes a bounded count
@@ -165,7 +170,8 @@ def open_same_data(
     data: DataConfig, open_sources: Callable[[], DataSources], prepared: bool
 ) -> DataSources:
     """`open_sources()`, checked to be the same `prepared` dataset on every process (a caller's
-    batches are each host's own rows); a process whose data does not open stops the others too."""
+    batches are each host's own rows), whose shards the processes then check together; a
+    process whose data does not open, or does not pass that check, stops the others too."""
     setting = data_setting(data)
     try:
         sources = open_sources()
@@ -173,6 +179,7 @@ def open_same_data(
         check_same_data(DATA_NOT_OPENED, *setting)  # the others stop; this one says why
         raise
     check_same_data(sources.fingerprint if prepared else None, *setting)
+    verify_shards_together(data, sources.unchecked, setting)
     return sources
 
 

@@ -336,7 +336,7 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:4], "little", signed=True)
 
 
-def _gather(mine: np.ndarray) -> tuple[np.ndarray, int | None]:
+def gather_rows(mine: np.ndarray) -> tuple[np.ndarray, int | None]:
     """Every process's `mine` (the same shape and dtype on each), one row per process, and the
     first process whose row differs from process 0's (None: all agree): one small all-gather."""
     from jax.experimental import multihost_utils
@@ -355,7 +355,7 @@ def check_same_config(config: Mapping[str, Any]) -> None:
     if jax.process_count() == 1:
         return
     names, values = zip(*_settings(config), strict=True)
-    everyone, other = _gather(np.array([_digest(v) for v in values], np.int32))
+    everyone, other = gather_rows(np.array([_digest(v) for v in values], np.int32))
     if other is None:
         return
     keys = [n for n, a, b in zip(names, everyone[0], everyone[other], strict=True) if a != b]
@@ -386,21 +386,29 @@ def check_same_data(fingerprint: str | None, setting: str, value: str) -> None:
     if jax.process_count() == 1:
         return
     mine = (fingerprint or "").encode()[:FINGERPRINT_BYTES].ljust(FINGERPRINT_BYTES, b"\0")
-    everyone, other = _gather(np.frombuffer(mine, np.uint8))
+    everyone, other = gather_rows(np.frombuffer(mine, np.uint8))
     if other is None or fingerprint == DATA_NOT_OPENED:
         return
     fingerprints = [_fingerprint_in(row) for row in everyone]
-    fix = f"or point {setting} at storage every host mounts (NFS, Lustre, ...)"
     if DATA_NOT_OPENED in fingerprints:
-        raise ConfigError(
-            f"process {fingerprints.index(DATA_NOT_OPENED)} could not open its data at "
-            f"{setting}={value} (its own log says why); repair that host's copy, {fix}"
-        )
+        raise ConfigError(data_not_opened(fingerprints.index(DATA_NOT_OPENED), setting, value))
     raise ConfigError(
         f"process {other} reads other data than process 0 at {setting}={value} (dataset "
         f"fingerprint {fingerprints[other]}; process 0's {fingerprints[0]}); give every host the "
-        f"same prepared dataset: copy it to each host again, {fix}"
+        f"same prepared dataset: copy it to each host again, {_shared_storage(setting)}"
     )
+
+
+def data_not_opened(process: int, setting: str, value: str) -> str:
+    """What the other processes say when `process` could not open or check its data."""
+    return (
+        f"process {process} could not open its data at {setting}={value} (its own log says "
+        f"why); repair that host's copy, {_shared_storage(setting)}"
+    )
+
+
+def _shared_storage(setting: str) -> str:
+    return f"or point {setting} at storage every host mounts (NFS, Lustre, ...)"
 
 
 def _fingerprint_in(row: np.ndarray) -> str:
