@@ -80,6 +80,28 @@ def drop_the_parameter_shapes(step: Path) -> None:
     (step / "meta" / "metadata").write_text(json.dumps(meta))
 
 
+def train_tree_file(step: Path) -> Path:
+    """The train item's tree (Orbax's `_METADATA`): without it the item restores no tuple."""
+    return step / "train" / "_METADATA"
+
+
+def delete_the_train_tree(step: Path) -> None:
+    train_tree_file(step).unlink()
+
+
+def empty_the_train_tree(step: Path) -> None:
+    train_tree_file(step).write_text("")
+
+
+def cut_the_train_tree(step: Path) -> None:
+    text = train_tree_file(step).read_text()
+    train_tree_file(step).write_text(text[: len(text) // 2])
+
+
+def write_no_tree_for_the_train_item(step: Path) -> None:
+    train_tree_file(step).write_text("{}")
+
+
 DAMAGES = [
     truncate_a_file,
     delete_the_train_item,
@@ -87,6 +109,10 @@ DAMAGES = [
     empty_the_folder,
     drop_the_parameter_shapes,
     write_a_list_for_the_metadata,
+    delete_the_train_tree,
+    empty_the_train_tree,
+    cut_the_train_tree,
+    write_no_tree_for_the_train_item,
 ]
 
 
@@ -234,7 +260,8 @@ folder = Path(sys.argv[1])
 params = {f"w{i}": jax.random.normal(jax.random.key(i), (2**18,)) for i in range(32)}
 meta = {"param_shapes": param_shapes(params)}
 short = {**params, "w31": params["w31"][:-1]}
-checkpointer = Checkpointer(folder, CheckpointConfig())
+# Saved in the foreground: Orbax warns on stderr when a save waited over 1 s for the one before.
+checkpointer = Checkpointer(folder, CheckpointConfig(**{"async": False}))
 checkpointer.save(1, TrainState(jnp.int32(1), params, {}, {}), None, meta)
 checkpointer.save(2, TrainState(jnp.int32(2), short, {}, {}), None, meta)
 checkpointer.close()
@@ -364,6 +391,12 @@ NO_DAMAGE = {
         "SIGTERM",
     ),
     "a_bug": ("trainer.checkpoint.param_shapes", a_bug, TypeError, "a bug in the restore"),
+    "a_bug_inside_orbaxs_restore": (  # the step's files are intact: still a bug, not damage
+        "orbax.checkpoint.StandardCheckpointHandler.restore",
+        a_bug,
+        TypeError,
+        "a bug in the restore",
+    ),
 }
 
 

@@ -36,6 +36,7 @@ T = TypeVar("T")
 
 RESUME_ANOTHER_MODEL = "use a new run.workdir or the model config it was saved with"
 META_FILE = "meta/metadata"  # in a step's folder: the `meta` item, as Orbax's JsonSave writes it
+TREE_FILE = "_METADATA"  # in a pytree item's folder (`params`, `train`): its tree, as StandardSave
 
 # A restore's outcome on one process, agreed across processes as the largest of them.
 RESTORED, DAMAGED, STOPS = 0, 1, 2
@@ -121,34 +122,69 @@ class Checkpointer:
         self.read_only = not create  # another run's folder (init_from, export): never moved
         self.config = config
         self._warming: Checkpointer | None = None  # `warm_up`'s throwaway save, until written
-        self.options = _manager_options(config, writable=create)
-        self._check_listable()
-        try:
-            self.manager = self._open_manager()
-        except OSError as err:
-            raise TrainingError(
-                f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
-                "choose a writable run.workdir"
-            ) from None
-        if create:  # before the first step: a run that cannot save should not train
-            with _closed_on_error(self.manager):
-                self._check_writable("starting the run")
         self._saving: contextlib.ExitStack | None = None  # from the first save until `close`
+        self.options = _manager_options(config, writable=create)
+        self._stop_every_process_if(self._listing_problem(), "read")
+        self._open_on_every_process(create)
 
-    def _check_listable(self) -> None:
+    def _listing_problem(self) -> TrainingError | None:
         """An existing folder that cannot be listed (an NFS mount's EIO or ESTALE, a permission)
         is a read error to name as one, found before Orbax's manager lists it also on a thread
         of its own, whose traceback would follow the line at exit."""
         try:
             os.listdir(self.directory)
         except (FileNotFoundError, NotADirectoryError):
-            return  # for the manager to create, or to refuse in its own line
+            return None  # for the manager to create, or to refuse in its own line
         except OSError as err:
+            return self._unreadable(err)
+        return None
+
+    def _unreadable(self, err: OSError) -> TrainingError:
+        return TrainingError(
+            f"cannot read checkpoint folder {self.directory} ({_os_error(err.errno)}); nothing "
+            "in it was changed: check the storage it is on (its mount, its permissions) and re-run"
+        )
+
+    def _open_on_every_process(self, create: bool) -> None:
+        """`self.manager`, opened (and, when `create`, found to take new files: a run that
+        cannot save should not train) on every process, or on none."""
+        try:
+            self.manager = self._open_manager_or_refuse()
+            if create:
+                with _closed_on_error(self.manager):
+                    self._check_writable("starting the run")
+        except TrainingError as err:
+            self._stop_every_process_if(err, "open")  # raises: each process asks once
+        with _closed_on_error(self.manager):
+            self._stop_every_process_if(None, "open")
+
+    def _open_manager_or_refuse(self) -> ocp.CheckpointManager:
+        """A new manager, or one line: a folder that exists failed to be read (its listing
+        failed since `_listing_problem` looked), one that does not failed to be made."""
+        existed = self.directory.is_dir()
+        try:
+            return self._open_manager()
+        except OSError as err:
+            if existed:
+                raise self._unreadable(err) from None
             raise TrainingError(
-                f"cannot read checkpoint folder {self.directory} ({_os_error(err.errno)}); "
-                "nothing in it was changed: check the storage it is on (its mount, its "
-                "permissions) and re-run"
+                f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
+                "choose a writable run.workdir"
             ) from None
+
+    def _stop_every_process_if(self, failure: TrainingError | None, doing: str) -> None:
+        """Raise `failure` here, and on every other process a line naming the first process it
+        was raised on (one small all-gather): a process that stopped alone left the others
+        waiting in their next collective until JAX's coordination service aborted them."""
+        failed = np.flatnonzero(_on_every_process(int(failure is not None)))
+        if failure is not None:
+            raise failure
+        if failed.size:
+            raise TrainingError(
+                f"process {failed[0]} cannot {doing} checkpoint folder {self.directory} (its own "
+                "log says why); nothing in it was changed: check the storage it is on from that "
+                "host (its mount, its permissions) and re-run"
+            )
 
     def _open_manager(self, clean: bool = True) -> ocp.CheckpointManager:
         """A fresh manager: it caches the step list and, after one restore, the item layout.
@@ -420,10 +456,27 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as err:
-            failure = err
+            failure = self._shown_damage(step, items, err)
         if _worst_on_any_process(RESTORED if failure is None else STOPS) != RESTORED:
             raise failure or _FailedElsewhereError(f"step {step} failed on another process")
         return restored
+
+    def _shown_damage(
+        self, step: int, items: dict[str, ocp.args.CheckpointArgs], failure: Exception
+    ) -> Exception:
+        """`failure` of a read of `items`; as a `_DamageError` when it is no evidence of damage
+        itself (a JAX tree error, a KeyError: what a bug raises too) but a pytree item's tree
+        file is missing or does not hold a tree (JSON that does not parse is evidence itself)."""
+        if _damage(failure) or _interrupt_in(failure) or _read_problem(failure):
+            return failure
+        for name, args in items.items():
+            if not isinstance(args, ocp.args.StandardRestore):
+                continue
+            if (problem := _tree_file_problem(self.directory / str(step) / name)) is not None:
+                damage = _DamageError(problem)
+                damage.__cause__ = failure
+                return damage
+        return failure
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The run's metadata saved with `step` (config, dataset fingerprint, shapes)."""
@@ -550,6 +603,40 @@ class _Manager(ocp.CheckpointManager):
     loop had already passed: process 0 trained on alone while the others stopped, and waited
     for them in the next step's collective forever. Orbax's only uses of the answer are to save
     on that step anyway (the loop saves it) and to log it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._opening, self._listing_error = True, None
+        try:
+            super().__init__(*args, **kwargs)
+        except Exception:
+            self._wait_for_the_cleanup()
+            raise
+        self._opening = False
+        if self._listing_error is not None:
+            self._wait_for_the_cleanup()
+            raise self._listing_error
+
+    def _load_checkpoint_infos(self, *args: Any, **kwargs: Any) -> Any:
+        """Orbax's listing of the steps; one that fails while the manager opens fails it once
+        Orbax's constructor is done: raised from the listing, this process skipped the barrier
+        that ends the constructor, where the other processes waited for it."""
+        try:
+            return super()._load_checkpoint_infos(*args, **kwargs)
+        except OSError as err:
+            if not self._opening:
+                raise
+            self._listing_error = err
+            return []
+
+    def _wait_for_the_cleanup(self) -> None:
+        """Orbax's removal of a killed run's partial saves, which lists the folder on a thread of
+        its own, started before the listing that failed: never closed, a manager that failed to
+        open left it running, and it printed a traceback when the process exited under it. Its
+        own error is the same one, reported by the caller."""
+        cleanup = getattr(self, "_cleanup_tmp_directory_future", None)
+        if cleanup is not None:
+            with contextlib.suppress(Exception):
+                cleanup.result()
 
     def reached_preemption(self, step: int) -> bool:
         return False
@@ -709,6 +796,24 @@ def _damage(err: BaseException) -> str | None:
     return None
 
 
+def _tree_file_problem(item: Path) -> str | None:
+    """What a pytree item's tree file (every save writes one) shows wrong: missing, not
+    parsing, or JSON without Orbax's `tree_metadata`; None when it looks whole, or cannot be
+    read (the failure it was asked about then stands)."""
+    where = f"{item.name}/{TREE_FILE}"
+    try:
+        tree = json.loads((item / TREE_FILE).read_bytes())
+    except FileNotFoundError:
+        return f"its {where} is missing"
+    except OSError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"its {where} does not parse ({first_line(err, with_type=False)})"
+    if not (isinstance(tree, dict) and isinstance(tree.get("tree_metadata"), dict)):
+        return f"its {where} holds no tree"
+    return None
+
+
 def _warn(line: str) -> None:
     if jax.process_index() == 0:
         print(line, file=sys.stderr, flush=True)
@@ -717,10 +822,14 @@ def _warn(line: str) -> None:
 def _worst_on_any_process(outcome: int) -> int:
     """The largest of every process's `outcome` (RESTORED < DAMAGED < STOPS), so all pick the
     same checkpoint, and all stop when one must."""
+    return int(np.max(_on_every_process(outcome)))
+
+
+def _on_every_process(value: int) -> np.ndarray:
+    """Every process's `value`, by process index: one small all-gather (alone: no call)."""
     if jax.process_count() == 1:
-        return outcome
-    outcomes = multihost_utils.process_allgather(np.array(outcome, dtype=np.int32))
-    return int(np.max(outcomes))
+        return np.array([value])
+    return np.asarray(multihost_utils.process_allgather(np.array(value, np.int32))).reshape(-1)
 
 
 @contextlib.contextmanager

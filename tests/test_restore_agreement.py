@@ -1,0 +1,132 @@
+"""A checkpoint folder that cannot be listed ends the run with one line on every process: the
+process that could not list it names the read error, the others name that process (before, they
+waited in their next collective until JAX's coordination service aborted them). A listing that
+fails only once Orbax lists the folder itself is the same line, without a traceback from Orbax's
+cleanup thread."""
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import TINY, error_lines_of_a_user_error, preloadable_library, tiny_cli
+from test_multihost import on_two_joined_processes, run_args
+
+# A read error of the storage while listing a folder, made real: a preloaded library fails the
+# opendir calls of $FAIL_LISTING_OF with $FAIL_LISTING_ERRNO, from the $FAIL_LISTING_FROM-th
+# (default: the first) on, and only in the process whose $JAX_PROCESS_ID is
+# $FAIL_LISTING_ON_PROCESS when that is set: one host whose NFS mount fails (EIO, ESTALE).
+FAILING_LISTING = r"""
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *setting(const char *name, const char *otherwise) {
+    const char *value = getenv(name);
+    return value ? value : otherwise;
+}
+
+static int on_this_process(void) {
+    const char *only = getenv("FAIL_LISTING_ON_PROCESS");
+    return !only || strcmp(only, setting("JAX_PROCESS_ID", "")) == 0;
+}
+
+DIR *opendir(const char *path) {
+    static DIR *(*real)(const char *);
+    static int listings;
+    const char *folder = getenv("FAIL_LISTING_OF");
+    if (!real) real = dlsym(RTLD_NEXT, "opendir");
+    if (folder && path && strcmp(path, folder) == 0 && on_this_process()
+        && __atomic_add_fetch(&listings, 1, __ATOMIC_SEQ_CST)
+               >= atoi(setting("FAIL_LISTING_FROM", "1"))) {
+        errno = atoi(setting("FAIL_LISTING_ERRNO", "5"));
+        return NULL;
+    }
+    return real(path);
+}
+"""
+
+READ_ERROR_LINE = (
+    "error: cannot read checkpoint folder {folder} ({problem}); nothing in it was changed: check "
+    "the storage it is on (its mount, its permissions) and re-run"
+)
+
+
+@pytest.fixture(scope="module")
+def failing_listing(tmp_path_factory) -> Path:
+    return preloadable_library(tmp_path_factory, "failing_listing_on_one", FAILING_LISTING)
+
+
+def failing_listing_env(library: Path, folder: Path, **settings: str) -> dict[str, str]:
+    """The environment that preloads `library` to fail listings of `folder` as `settings` say."""
+    return {"LD_PRELOAD": str(library), "FAIL_LISTING_OF": str(folder), **settings}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("failing_from", "doing"),
+    [("1", "read"), ("2", "open")],
+    ids=["at_the_first_look", "once_orbax_lists_it"],
+)
+def test_a_checkpoint_folder_one_process_cannot_list_stops_every_process_in_one_line(
+    corpus, tmp_path, repo_root, failing_listing, monkeypatch, failing_from, doing
+):
+    """Two processes start a run whose checkpoint folder process 1 alone cannot list (from our
+    first look at it, or from Orbax's listing on): each ends at once with exit 2 and one line.
+    Before, process 1 said why and exited while process 0 went on to its next collective (Orbax's
+    barrier, or the restore's), where it failed with a traceback and JAX's coordination service
+    aborted it."""
+    workdir = tmp_path / "run"
+    folder = workdir / "checkpoints"
+    folder.mkdir(parents=True)
+    settings = failing_listing_env(
+        failing_listing, folder, FAIL_LISTING_ON_PROCESS="1", FAIL_LISTING_FROM=failing_from
+    )
+    for name, value in {**settings, "FAIL_LISTING_ERRNO": str(errno.EIO)}.items():
+        monkeypatch.setenv(name, value)  # the processes' environment starts from this one's
+    cli = ["-m", "trainer.main", "--config", "configs/tiny.yaml", *run_args(corpus, workdir)]
+    statuses, printed = on_two_joined_processes(repo_root, [cli, cli], devices=4)
+    said = [[line for line in out.splitlines() if "error:" in line] for out in printed]
+    assert said == [
+        [
+            f"error: process 1 cannot {doing} checkpoint folder {folder} (its own log says why); "
+            "nothing in it was changed: check the storage it is on from that host (its mount, "
+            "its permissions) and re-run"
+        ],
+        [READ_ERROR_LINE.format(folder=folder, problem="Input/output error [EIO]")],
+    ], printed
+    assert statuses == [2, 2], printed
+    assert not any("Traceback" in out for out in printed), printed
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_listing_that_fails_once_orbax_lists_the_folder_is_the_same_one_line(
+    corpus, tmp_path, repo_root, failing_listing
+):
+    """The folder lists at the first look, then fails (an NFS mount going away during
+    start-up): Orbax's own listings fail. Before: "cannot create checkpoint folder ...; choose a
+    writable run.workdir" (the wrong words), and a traceback from Orbax's cleanup thread at
+    exit."""
+    workdir = tmp_path / "run"
+    folder = workdir / "checkpoints"
+    folder.mkdir(parents=True)
+    settings = failing_listing_env(
+        failing_listing, folder, FAIL_LISTING_FROM="2", FAIL_LISTING_ERRNO=str(errno.ESTALE)
+    )
+    done = subprocess.run(
+        tiny_cli([*TINY, f"data.path={corpus}", "run.steps=2", "checkpoint.every=2"], workdir),
+        cwd=repo_root,
+        env={**os.environ, **settings},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert error_lines_of_a_user_error(done) == [
+        READ_ERROR_LINE.format(folder=folder, problem="Stale file handle [ESTALE]")
+    ], done.stderr[-3000:]
+    assert list(folder.iterdir()) == []
