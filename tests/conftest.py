@@ -3,16 +3,21 @@ TPU host as well: the suite pins the CPU platform, for its own processes and eve
 start (they inherit the environment), so none takes accelerator memory and every mesh finds its 8
 devices. Only `python -m pytest -m gpu` (tests/test_attention_gpu.py) runs on the GPU."""
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import sys  # noqa: E402
 import sysconfig  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -91,6 +96,44 @@ def run_folder(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def made_once(
+    tmp_path_factory, name: str, make: Callable[[Path], object], timeout_s: float = 900
+) -> Path:
+    """The folder `name` in this run's folder, made by `make(folder)` once for the whole run: the
+    xdist worker that asks first makes it, holding a lock, while the other waits for it and then
+    reads it. A `make` that fails leaves the folder unfinished, and the next one to ask makes it
+    again."""
+    folder = run_folder(tmp_path_factory) / name
+    finished = folder.with_name(f"{name}.done")
+    with held(folder.with_name(f"{name}.lock"), timeout_s):
+        if not finished.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            make(folder)
+            finished.touch()
+    return folder
+
+
+@contextlib.contextmanager
+def held(lock: Path, timeout_s: float) -> Iterator[None]:
+    """An exclusive `flock` on the file `lock` while the block runs. The kernel drops it when its
+    holder's process ends, so a worker that died holding it blocks nobody; one still holding it
+    after `timeout_s` (stuck) fails the waiting test, naming the lock, instead of hanging it."""
+    with lock.open("a") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{lock} is still held by another test process after {timeout_s} s")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
     """The training processes tests start, and the tests' own in-process runs, compile the same
@@ -120,6 +163,19 @@ def _use_compile_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()  # the cache reads its folder once; make it read it again
+
+
+@pytest.fixture
+def sigint_as_in_a_terminal() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) during the test, as a run in a terminal
+    has it: pytest started in the background (`cmd &` in a script) inherits SIGINT ignored, Python
+    keeps it ignored, and so, rightly, does the run under test, whose Ctrl-C handling the test
+    is about."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def error_lines_of_a_user_error(done: subprocess.CompletedProcess) -> list[str]:

@@ -206,20 +206,31 @@ def test_a_python_that_cannot_hold_a_port_is_one_line(tmp_path, repo_root):
     assert not (tmp_path / "ran").exists(), "no training process starts"
 
 
-def processes_with(variable: str, value: str) -> list[str]:
-    """`pid command` of each process whose environment has variable=value (readable ones)."""
+MARK = "LOCAL_SH_TEST_MARK"
+
+
+@pytest.fixture
+def mark() -> str:
+    """A value of `MARK` unique to this test: every process started with it in its environment
+    (the launcher, and whatever it starts, however deep) carries it, and no other process does."""
+    return f"{os.getpid()}-{time.monotonic_ns()}"
+
+
+def processes_marked(mark: str) -> list[tuple[int, list[str]]]:
+    """The pid and command line of each process whose environment has MARK=`mark` (of those
+    /proc lets this user read)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            if f"{variable}={value}".encode() in environ:
-                found.append(f"{proc.name} {(proc / 'comm').read_text().strip()}")
-        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            if f"{MARK}={mark}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                argv = (proc / "cmdline").read_bytes().decode().split("\0")[:-1]
+                found.append((int(proc.name), argv))
+        except (OSError, ValueError):  # gone meanwhile, not ours to read, or not a process
             continue
     return found
 
 
-def test_nothing_local_sh_started_outlives_it_when_one_process_fails(tmp_path, repo_root):
+def test_nothing_local_sh_started_outlives_it_when_one_process_fails(tmp_path, repo_root, mark):
     """Process 1 fails at once; local.sh stops process 0 (SIGTERM) and exits with its status.
     Its SIGKILL timer (a subshell running `sleep LOCAL_KILL_GRACE_S`) was ended at exit, but
     not its `sleep`, which stayed behind for the whole grace period, in the launcher's process
@@ -230,9 +241,8 @@ def test_nothing_local_sh_started_outlives_it_when_one_process_fails(tmp_path, r
         f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
         '[ "$JAX_PROCESS_ID" = 1 ] && exit 3\nexec sleep 600\n',
     )
-    mark = f"{os.getpid()}-{time.monotonic_ns()}"
     env = cpu_env(PYTHON=str(python), LOCAL_DEVICE="cpu", LOCAL_KILL_GRACE_S="600")
-    env["LOCAL_SH_TEST_MARK"] = mark
+    env[MARK] = mark
     try:
         done = subprocess.run(
             [str(repo_root / "launch/local.sh"), "2"],
@@ -243,11 +253,11 @@ def test_nothing_local_sh_started_outlives_it_when_one_process_fails(tmp_path, r
         )
         assert done.returncode == 3, done.stderr
         assert "process " in done.stderr and "exited with status 3" in done.stderr, done.stderr
-        assert processes_with("LOCAL_SH_TEST_MARK", mark) == [], done.stderr
+        assert processes_marked(mark) == [], done.stderr
     finally:
-        for left in processes_with("LOCAL_SH_TEST_MARK", mark):
+        for pid, _ in processes_marked(mark):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(left.split()[0]), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
 
 # local.sh's wait loop, made to hold still: its `sleep 0.2` (found on PATH) waits on a FIFO while
@@ -333,7 +343,7 @@ def test_a_pid_given_to_another_process_does_not_hide_that_a_process_failed(tmp_
 
 
 def test_a_sigterm_to_the_launchers_group_during_the_grace_still_ends_in_sigkill(
-    tmp_path, repo_root
+    tmp_path, repo_root, mark
 ):
     """Process 1 fails; process 0 ignores SIGTERM, so local.sh's SIGKILL after the grace is what
     ends it. A SIGTERM to the launcher's whole group in that grace (a CI job cancelled, `timeout`
@@ -344,7 +354,7 @@ def test_a_sigterm_to_the_launchers_group_during_the_grace_still_ends_in_sigkill
         f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
         "[ \"$JAX_PROCESS_ID\" = 1 ] && exit 3\ntrap '' TERM\nexec sleep 600\n",
     )
-    env = cpu_env(PYTHON=str(python), LOCAL_DEVICE="cpu", LOCAL_KILL_GRACE_S="3")
+    env = cpu_env(PYTHON=str(python), LOCAL_DEVICE="cpu", LOCAL_KILL_GRACE_S="3", **{MARK: mark})
     log = tmp_path / "local.log"
     with log.open("w") as stderr:
         launcher = subprocess.Popen(
@@ -355,7 +365,7 @@ def test_a_sigterm_to_the_launchers_group_during_the_grace_still_ends_in_sigkill
         )
     try:
         deadline = time.monotonic() + 60
-        while not grace_timer_of(launcher.pid, "3"):
+        while not grace_timer_started(mark, "3"):
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         os.killpg(launcher.pid, signal.SIGTERM)
@@ -366,15 +376,6 @@ def test_a_sigterm_to_the_launchers_group_during_the_grace_still_ends_in_sigkill
     assert launcher.returncode == 3, log.read_text()
 
 
-def grace_timer_of(session: int, grace: str) -> bool:
-    """Whether a `sleep GRACE` runs in the launcher's session (local.sh's SIGKILL timer)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            if (proc / "cmdline").read_bytes().split(b"\0")[:2] == [
-                b"sleep",
-                grace.encode(),
-            ] and os.getsid(int(proc.name)) == session:
-                return True
-        except (OSError, ValueError):  # gone meanwhile, not ours, or not a process
-            continue
-    return False
+def grace_timer_started(mark: str, grace: str) -> bool:
+    """Whether a `sleep GRACE` that the marked launcher started runs (local.sh's SIGKILL timer)."""
+    return any(argv[:2] == ["sleep", grace] for _, argv in processes_marked(mark))

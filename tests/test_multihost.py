@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY, compile_cache, documents, flipped_copy, tiny_run
+from conftest import TINY, compile_cache, documents, flipped_copy, made_once, tiny_run
 from jax.experimental import multihost_utils
 
 from input_pipeline.dataset_info import load_dataset_info
@@ -74,15 +74,15 @@ def train_in_process(repo_root: Path, corpus: Path, workdir: Path, *extra: str):
 
 
 def single_process_baseline(tmp_path_factory, repo_root: Path, corpus: Path) -> Path:
-    """The reference run (1 process x 8 devices), trained once per session and shared with
-    test_slurm.py through the session's temporary folder."""
-    workdir = tmp_path_factory.getbasetemp() / "multihost-baseline"
-    done = workdir / "done"
-    if not done.exists():
-        shutil.rmtree(workdir, ignore_errors=True)
+    """The reference run (1 process x 8 devices), trained once per test run for this module and
+    test_slurm.py, in whichever xdist worker asks first (`made_once`). Each worker prepares its
+    own `corpus`, with the same content (the same dataset fingerprint), so the reference trained
+    on one worker's copy is the reference for the other's too."""
+
+    def train(workdir: Path) -> None:
         train_in_process(repo_root, corpus, workdir)
-        done.write_text("")
-    return workdir
+
+    return made_once(tmp_path_factory, "multihost-baseline", train)
 
 
 def metrics_of(workdir: Path) -> list[dict]:

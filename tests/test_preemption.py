@@ -136,7 +136,9 @@ def _ctrl_c_while_closing_after_a_stop() -> BaseException | None:
     return None
 
 
-def test_a_sigint_once_the_loops_saves_are_written_ends_the_run_saying_they_are_complete():
+def test_a_sigint_once_the_loops_saves_are_written_ends_the_run_saying_they_are_complete(
+    sigint_as_in_a_terminal,
+):
     """Ctrl-C while the run closes after its loop (the stop's save waited for, the summary being
     written) got Python's KeyboardInterrupt, and the CLI said "interrupted without saving". It
     is a stop while closing, as a SIGTERM there; before the loop, and while a loop that failed

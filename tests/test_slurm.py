@@ -9,7 +9,10 @@ The job requeues itself: the time-limit warning is delivered as `--signal=B:USR1
 (the sbatch's PYTHON knob). Slurm holds a requeued job for its launch credential's lifetime
 (`AuthInfo=cred_expire`, 120 s by default): this cluster's is 5 s. Releasing the job sooner by
 hand (`scontrol update StartTime=now`) loses it now and then: "Killing non-startable batch
-JobId=1: Job credential revoked", and the job ends FAILED.
+JobId=1: Job credential revoked", and the job ends FAILED. Once the hold is over, the job waits
+for a scheduling pass, which no event triggers: here the main scheduling loop runs every second
+(`sched_interval=1`; by default every 60 s, and the backfill pass every 30 s, which skips itself
+when nothing changed since it last ran), so a requeued job starts within a second of its hold.
 """
 
 import os
@@ -60,6 +63,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides

@@ -149,7 +149,7 @@ def test_an_abort_does_not_wait_for_a_stuck_read(stuck, tmp_path, monkeypatch):
 
 
 def test_ctrl_c_after_the_stops_save_says_the_checkpoint_is_complete(
-    corpus, tmp_path, repo_root, monkeypatch, capfd
+    corpus, tmp_path, repo_root, monkeypatch, capfd, sigint_as_in_a_terminal
 ):
     """Ctrl-C stops the run after step 1 (its save written), and again as the run writes its
     summary. Before: Python's KeyboardInterrupt there, and the CLI said "interrupted without
