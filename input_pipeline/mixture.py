@@ -19,7 +19,7 @@ import numpy as np
 
 from input_pipeline.device import in_own_memory
 from input_pipeline.errors import DataError
-from input_pipeline.streams import close_readers
+from input_pipeline.streams import NEW_RUN, check_position, close_readers
 
 Batch = dict[str, np.ndarray]
 
@@ -108,29 +108,60 @@ class MixedStream:
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Resume from `get_state()`; a position of other sources, or not laid out as a mixture's,
+        is one line before anything moves. A source whose batch size changed since (another
+        `data.global_batch_size` or other weights) resumes at the same row of its own stream."""
         sources = mixture_sources(state)
         if sources is None:
             raise DataError(
                 f"the checkpoint's data position is of one dataset, but data.mixture names "
-                f"{sorted(self.names)}; resume with the data.path it was saved with, or start a "
-                "new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
+                f"{sorted(self.names)}; resume with the data.path it was saved with, or {NEW_RUN}"
             )
         if sources != sorted(self.names):
             raise DataError(
                 f"the checkpoint's data position is a mixture of {sources}, but "
-                f"data.mixture names {sorted(self.names)}; resume with the same sources"
+                f"data.mixture names {sorted(self.names)}; resume with the sources (and names) "
+                f"it was saved with, or {NEW_RUN}"
             )
+        check_position(_own_part(state), _own_part(self.get_state()))
         for name in self.names:  # first: a source may refuse it (`LaidOutPosition`)
-            saved = state["sources"][name]
-            self.iterators[name].set_state(saved["position"])
-            self._in_hand[name], self._used[name] = None, 0
-            if saved["used"] >= 0:  # re-read the batch that was in hand; skip its used rows
-                self._read_at[name] = copy.deepcopy(saved["position"])
-                self._in_hand[name] = self._next_batch(name)
-                self._used[name] = int(saved["used"])
+            self.iterators[name].set_state(state["sources"][name]["position"])
+        for name in self.names:
+            self._take_back_batch_in_hand(name, state["sources"][name])
         self.row = int(state["row"])
         self.taken = np.array([state["taken"][n] for n in self.names], np.int64)
         self.tokens = {n: float(state["tokens"][n]) for n in self.names}
+
+    def _take_back_batch_in_hand(self, name: str, saved: dict[str, Any]) -> None:
+        """Re-read the batch source `name` had in hand (its iterator is at `saved["position"]`)
+        and skip its used rows; those may reach past a batch that is now smaller, whose rows are
+        the same rows of the source's stream (concat packing cuts rows before it batches)."""
+        self._in_hand[name], self._used[name] = None, 0
+        used = int(saved["used"])
+        if used < 0:  # nothing was in hand
+            return
+        self._read_at[name] = copy.deepcopy(saved["position"])
+        batch = self._next_batch(name)
+        while used >= len(batch["inputs"]):
+            used -= len(batch["inputs"])
+            self._read_at[name] = copy.deepcopy(self.iterators[name].get_state())
+            batch = self._next_batch(name)
+        self._in_hand[name], self._used[name] = batch, used
+
+
+def _own_part(state: dict[str, Any]) -> dict[str, Any]:
+    """A mixture's position with its sources' positions blanked: each source's iterator checks
+    its own (`LaidOutPosition` names another layout in its own words)."""
+    sources = state.get("sources")
+    if not isinstance(sources, dict):
+        return state
+    blank = {
+        name: {**source, "position": None}
+        if isinstance(source, dict) and "position" in source
+        else source
+        for name, source in sources.items()
+    }
+    return {**state, "sources": blank}
 
 
 def mixture_sources(position: Any) -> list[str] | None:

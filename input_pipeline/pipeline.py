@@ -25,6 +25,7 @@ from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
 from input_pipeline.shares import EndOfShare, ShareUnreadable, UnreadableRecords, worker_share
+from input_pipeline.streams import NEW_RUN, check_position
 from input_pipeline.tfdata import tfdata_records
 from input_pipeline.tfrecords import READERS, grain_records, host_shards
 from input_pipeline.workers import host_only_worker
@@ -40,8 +41,6 @@ FEATURES = ("inputs", "targets")
 # checkpoint re-reads one read.
 READ_TOKENS = 1 << 20
 MAX_READ_RECORDS = 4096
-# The way out of a data position that cannot be resumed (`LaidOutPosition`).
-NEW_RUN = "start a new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
 READ_DATA = {
     "arrayrecord": "ArrayRecord data",
     "grain": "TFRecord data with data.reader=grain",
@@ -354,6 +353,7 @@ class LaidOutPosition(grain.DatasetIterator):
         for key, value in saved.items():
             if value != self.layout[key]:
                 raise DataError(layout_changed(key, value, self.layout[key]))
+        check_position(batches, self._parent.get_state(), "position.batches")
         self._parent.set_state(batches)
 
     def __str__(self) -> str:

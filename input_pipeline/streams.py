@@ -20,6 +20,8 @@ from input_pipeline.errors import DataError
 
 Batch = dict[str, np.ndarray]
 OpenStream = Callable[[int, int], Iterator[Batch]]  # (stream index, stream count) -> batches
+# The way out of a data position that does not fit the run.
+NEW_RUN = "start a new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
 
 
 def owned_streams(streams: int, process_index: int, process_count: int) -> range:
@@ -36,6 +38,79 @@ def owned_streams(streams: int, process_index: int, process_count: int) -> range
 
 def is_stream_state(state: Any) -> bool:
     return isinstance(state, dict) and "streams" in state and "positions" in state
+
+
+def position_mismatch(saved: Any, fresh: Any, path: str = "position") -> str | None:
+    """Where a saved data position is not laid out like `fresh`, the state of a fresh iterator of
+    this run's pipeline: the first place whose kind, keys or length differ (None: it fits), so a
+    position this pipeline cannot take is refused before Grain's own code fails on it. An empty
+    mapping in `fresh` takes any mapping (Grain keeps prefetched iterators' states in one)."""
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict):
+            return f"{path} is {_kind(saved)}, not a mapping"
+        if not fresh:
+            return None
+        keys = sorted(str(key) for key in fresh)
+        if sorted(saved) != keys:
+            return f"{path} has keys {sorted(saved)}, not {keys}"
+        mismatches = (position_mismatch(saved[str(k)], v, f"{path}.{k}") for k, v in fresh.items())
+        return next((m for m in mismatches if m is not None), None)
+    if isinstance(fresh, list | tuple):
+        if not isinstance(saved, list | tuple):
+            return f"{path} is {_kind(saved)}, not a list"
+        if len(saved) != len(fresh):
+            return f"{path} has {len(saved)} entries, not {len(fresh)}"
+        mismatches = (
+            position_mismatch(s, f, f"{path}[{i}]")
+            for i, (s, f) in enumerate(zip(saved, fresh, strict=True))
+        )
+        return next((m for m in mismatches if m is not None), None)
+    if not _same_kind(saved, fresh):
+        return f"{path} is {_kind(saved)}, not {_kind(fresh)}"
+    return None
+
+
+# A saved value's kind, in `position_mismatch`'s words (bool before int: a bool is an int)
+KINDS = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+    (type(None), "null"),
+    (dict, "a mapping"),
+    (list | tuple, "a list"),
+)
+
+
+def _kind(value: Any) -> str:
+    return next((name for kind, name in KINDS if isinstance(value, kind)), type(value).__name__)
+
+
+def _same_kind(saved: Any, fresh: Any) -> bool:
+    """Whether a saved leaf is of the fresh one's kind; a whole number where a float is kept
+    counts as one (a file edited by hand may drop the `.0`)."""
+    return _kind(saved) == _kind(fresh) or (
+        isinstance(fresh, float) and _kind(saved) == "an integer"
+    )
+
+
+def check_position(saved: Any, fresh: Any, path: str = "position") -> None:
+    """A one-line `DataError` when `saved` is not laid out like `fresh` (`position_mismatch`)."""
+    if (mismatch := position_mismatch(saved, fresh, path)) is not None:
+        raise not_this_pipelines(mismatch)
+
+
+class PositionMismatchError(DataError):
+    """A saved data position that this run's pipeline would not have written: its settings, or
+    the file, changed since."""
+
+
+def not_this_pipelines(mismatch: str) -> PositionMismatchError:
+    """The line refusing a saved data position this run's pipeline cannot take, and why."""
+    return PositionMismatchError(
+        f"the checkpoint's data position does not fit this run's data pipeline ({mismatch}); "
+        f"resume with the data settings it was saved with, or {NEW_RUN}"
+    )
 
 
 class StreamBatches:
@@ -122,6 +197,7 @@ class StreamBatches:
         """Resume from `get_state()` of this process, or the merged states of all processes."""
         if not is_stream_state(state):  # a checkpoint from before streams: one per process
             state = {"streams": self._process[1], "positions": {str(self._process[0]): state}}
+        check_stream_state(state)
         if state["streams"] != self.streams:
             if self._pinned:
                 raise DataError(
@@ -143,8 +219,18 @@ class StreamBatches:
                 f"the checkpoint's data position lacks streams {missing}; resume with the "
                 "process count that wrote it"
             )
+        for s in self.owned:  # each stream's iterator checks the rest of its own position
+            check_position(state["positions"][str(s)], {}, f"position.positions.{s}")
         for s, iterator in self._open().items():
             iterator.set_state(state["positions"][str(s)])
+
+
+def check_stream_state(state: dict[str, Any]) -> None:
+    """A one-line `DataError` unless `state` is laid out as `StreamBatches.get_state()` makes
+    it: a stream count of at least 1, and a mapping of positions."""
+    check_position(state, {"streams": 1, "positions": {}})
+    if state["streams"] < 1:
+        raise not_this_pipelines(f"position.streams is {state['streams']}, not a count above 0")
 
 
 def close_readers(iterator: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from input_pipeline import checkpointing as data_checkpointing
 from input_pipeline.device import row_feeders
 from input_pipeline.errors import DataError
 from input_pipeline.workers import wait_for_dropped_batches
@@ -316,8 +317,14 @@ def restore_or_init(
     step, (state, data_state, meta) = checkpointer.restore_newest(
         lambda step: checkpointer.restore(step, target, config.to_dict())
     )
-    if data_state is not None and resumes_position(train_iter):
-        train_iter.set_state(data_state)  # else it starts again; `announce` says so
+    if resumes_position(train_iter):  # else it starts again; `announce` says so
+        data_checkpointing.resume_position(
+            train_iter,
+            data_state,
+            checkpointer.directory / str(step),
+            saved_config=meta.get("config"),
+            config=config.to_dict(),
+        )
     return with_this_runs_loss_scale(state, program), step, meta
 
 

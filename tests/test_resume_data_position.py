@@ -1,0 +1,227 @@
+"""A resume whose saved data position does not fit today's pipeline: one line, exit 2, naming the
+checkpoint's step folder, what differs, and the way out; or, where the position carries over,
+a resume that goes on from it.
+
+Before: another `data.read_threads` over shuffled TFRecord data (another interleave cycle), or a
+hand-garbled position file, ended in Grain's IndexError/KeyError/AttributeError tracebacks, and a
+`null` one restarted the data from its first batch; another `data.shuffle`, `run.seed`,
+`data.concat_offset`, a first_fit `data.seq_len` or `data.global_batch_size`, or a mixture's
+`data.seq_len`, resumed in silence from a position that points elsewhere in the data; a mixture
+resumed with a smaller `data.global_batch_size` ended in an IndexError.
+"""
+
+import copy
+import json
+import shutil
+import subprocess
+
+import pytest
+from conftest import TINY, same, take, tiny_cli
+from test_checkpoint import tfrecord_corpus  # noqa: F401 (a fixture)
+from test_mixture import mixture, prose  # noqa: F401 (prose: a fixture)
+
+from input_pipeline.dataset_info import load_dataset_info
+from input_pipeline.errors import DataError
+from input_pipeline.mixture import MixedStream, rows_per_read
+from input_pipeline.pipeline import make_batch_iterator
+from trainer.config import load_config
+from trainer.train import run
+
+SESSION = ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false", "log.every=1"]
+
+
+def config(workdir, steps, *settings):
+    return load_config(
+        None, [*TINY, *SESSION, f"run.workdir={workdir}", f"run.steps={steps}", *settings]
+    )
+
+
+def cli(workdir, steps, *settings, repo_root):
+    return subprocess.run(
+        tiny_cli([*SESSION, f"run.steps={steps}", *settings], workdir),
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def refused(done: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a run that ended as a user error: exit 2, no traceback."""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, done.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_position_grain_cannot_take_is_one_line_naming_the_step_and_setting(
+    tfrecord_corpus,  # noqa: F811
+    tmp_path,
+    repo_root,
+):
+    """Shuffled TFRecord data interleaves data.read_threads shards: another count is another
+    interleave, whose position Grain failed on with an IndexError traceback."""
+    workdir = tmp_path / "run"
+    data = [f"data.path={tfrecord_corpus}", "data.read_threads=4"]
+    first = cli(workdir, 2, *data, repo_root=repo_root)
+    assert first.returncode == 0, first.stderr[-2000:]
+    line = refused(cli(workdir, 4, *data, "data.read_threads=1", repo_root=repo_root))
+    assert line.startswith(f"error: checkpoint {workdir / 'checkpoints' / '2'} "), line
+    assert "(saved with data.read_threads=4, now 1)" in line
+    assert "does not fit this run's data pipeline" in line
+    assert "checkpoint.init_from" in line
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]  # kept
+
+
+@pytest.fixture(scope="module")
+def saved_run(corpus, tmp_path_factory):
+    """A run of 2 steps on `corpus`: its workdir, to copy for each resume."""
+    workdir = tmp_path_factory.mktemp("saved") / "run"
+    run(config(workdir, 2, f"data.path={corpus}"))
+    return workdir
+
+
+def position_file(workdir):
+    (path,) = (workdir / "checkpoints" / "2" / "data").glob("*.json")
+    return path
+
+
+GARBLED = {
+    "null": lambda position: None,  # was: a silent start from the first batch
+    "a list": lambda position: [1, 2, 3],  # was: AttributeError in the layout check
+    "an empty mapping": lambda position: {},  # was: KeyError 'parent' in the packer
+    "a stream count as text": lambda position: {**position, "streams": "1"},
+    "a null stream position": lambda position: {**position, "positions": {"0": None}},
+    "batches of other keys": lambda position: {
+        **position,
+        "positions": {"0": {**position["positions"]["0"], "batches": {"next": 3}}},
+    },
+    "a read index as text": lambda position: json.loads(
+        json.dumps(position).replace('"next_index": 0', '"next_index": "0"')
+    ),
+}
+
+
+@pytest.mark.parametrize("garble", GARBLED)
+def test_a_garbled_position_file_is_one_line(saved_run, corpus, tmp_path, garble):
+    workdir = tmp_path / "run"
+    shutil.copytree(saved_run, workdir)
+    path = position_file(workdir)
+    path.write_text(json.dumps(GARBLED[garble](json.loads(path.read_text()))))
+    with pytest.raises(DataError) as error:
+        run(config(workdir, 4, f"data.path={corpus}"))
+    line = str(error.value)
+    assert line.startswith(f"checkpoint {workdir / 'checkpoints' / '2'}: "), line
+    assert "does not fit this run's data pipeline" in line and "\n" not in line
+
+
+def test_the_cli_refuses_a_garbled_position_with_exit_2(saved_run, corpus, tmp_path, repo_root):
+    workdir = tmp_path / "run"
+    shutil.copytree(saved_run, workdir)
+    path = position_file(workdir)
+    path.write_text("[1, 2, 3]")
+    line = refused(cli(workdir, 4, f"data.path={corpus}", repo_root=repo_root))
+    assert "(position is a list, not a mapping)" in line
+    assert path.read_text() == "[1, 2, 3]"  # the checkpoint is left as it is
+
+
+def test_garbled_positions_of_another_process_count_are_one_line(saved_run, corpus, tmp_path):
+    """Positions of 2 processes, resumed on 1, are merged stream by stream (before: an
+    AttributeError traceback from the merge when one held a list of positions)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(saved_run, workdir)
+    path = position_file(workdir)
+    position = json.loads(path.read_text())
+    path.unlink()
+    for process, positions in enumerate([position["positions"], list(position["positions"])]):
+        other = path.with_name(f"process_{process}-of-2.json")
+        other.write_text(json.dumps({"streams": 2, "positions": positions}))
+    with pytest.raises(DataError) as error:
+        run(config(workdir, 4, f"data.path={corpus}"))
+    line = str(error.value)
+    assert line.startswith(f"checkpoint {workdir / 'checkpoints' / '2'}: "), line
+    assert "(position.positions is a list, not a mapping)" in line
+
+
+# (setting of the first session, of the second, the line's "saved with" part); each resumed in
+# silence before, from a position that points elsewhere in the data
+MOVED = [
+    ("data.shuffle=true", "data.shuffle=false", "data.shuffle=true"),
+    ("run.seed=0", "run.seed=1", "run.seed=0"),
+    ("data.concat_offset=none", "data.concat_offset=random_per_epoch", "data.concat_offset=none"),
+    ("data.packing=first_fit", "data.seq_len=32", "data.seq_len=64"),
+    ("data.packing=first_fit", "data.global_batch_size=8", "data.global_batch_size=16"),
+]
+
+
+@pytest.mark.parametrize(("first", "second", "saved"), MOVED)
+def test_a_setting_that_moves_the_position_is_refused(corpus, tmp_path, first, second, saved):
+    workdir = tmp_path / "run"
+    run(config(workdir, 2, f"data.path={corpus}", first))
+    with pytest.raises(DataError) as error:
+        run(config(workdir, 4, f"data.path={corpus}", first, second))
+    line = str(error.value)
+    assert line.startswith(f"checkpoint {workdir / 'checkpoints' / '2'}: "), line
+    assert f"saved with {saved} and does not carry over to {second}" in line
+    assert f"; set {saved} to resume this run, or start a new run.workdir" in line
+
+
+def test_a_mixture_refuses_another_seq_len(corpus, prose, tmp_path):  # noqa: F811
+    """A mixture's position holds each source's batch in hand and its used rows: at another
+    row length those rows are others (before: a silent resume, up to a batch of rows off)."""
+    workdir = tmp_path / "run"
+    run(config(workdir, 2, mixture(corpus, prose)))
+    with pytest.raises(DataError, match=r"saved with data.seq_len=64 and does not carry over to"):
+        run(config(workdir, 4, mixture(corpus, prose), "data.seq_len=32"))
+
+
+@pytest.mark.parametrize("change", ["data.seq_len=32", "data.global_batch_size=8"])
+def test_concat_packing_of_one_dataset_carries_its_position_over(
+    saved_run, corpus, tmp_path, change
+):
+    """The position is a token of the record stream: rows of another length or count go on from
+    it."""
+    workdir = tmp_path / "run"
+    shutil.copytree(saved_run, workdir)
+    result = run(config(workdir, 4, f"data.path={corpus}", change))
+    assert result.step == 4
+
+
+def mixed_stream(infos, weights, rows):
+    """A `MixedStream` of `rows` rows per batch, each source batching its share of them."""
+    iterators = {
+        name: make_batch_iterator(
+            info, "train", seq_len=64, batch_size=rows_per_read(weights[name], rows)
+        )
+        for name, info in infos.items()
+    }
+    return MixedStream(iterators, weights, rows)
+
+
+def test_a_mixture_goes_on_with_the_same_rows_in_smaller_batches(corpus, prose):  # noqa: F811
+    """Each source's batch in hand is re-read on resume and its used rows skipped: with a
+    smaller data.global_batch_size they reach past the batch (before: an IndexError)."""
+    infos = {"code": load_dataset_info(corpus), "prose": load_dataset_info(prose)}
+    weights = {"code": 0.75, "prose": 0.25}
+    big = mixed_stream(infos, weights, 16)
+    take(big, 1)
+    position = copy.deepcopy(big.get_state())
+    assert position["sources"]["code"]["used"] == 12
+    after = next(big)
+    small = mixed_stream(infos, weights, 8)  # batches of 6 code rows: 12 used reach past one
+    small.set_state(copy.deepcopy(position))
+    halves = take(small, 2)
+    assert same({k: v[:8] for k, v in after.items()}, halves[0])
+    assert same({k: v[8:] for k, v in after.items()}, halves[1])
+
+
+def test_a_mixture_resumes_with_a_smaller_batch_size(corpus, prose, tmp_path, repo_root):  # noqa: F811
+    workdir = tmp_path / "run"
+    first = cli(workdir, 2, mixture(corpus, prose), repo_root=repo_root)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = cli(
+        workdir, 4, mixture(corpus, prose), "data.global_batch_size=8", repo_root=repo_root
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "finished at step 4" in second.stderr
