@@ -39,11 +39,6 @@ class DatasetInfo:
         return self.raw["tokenizer"]
 
     @property
-    def null_texts_skipped(self) -> int:
-        """Input documents (parquet rows, JSONL lines) left out because their text was null."""
-        return int(self.raw.get(NULL_TEXTS, 0))
-
-    @property
     def fingerprint(self) -> str:
         """Short content hash: a checkpoint remembers which dataset it was trained on."""
         text = json.dumps(self.raw, sort_keys=True).encode()

@@ -122,7 +122,8 @@ def prepare_dataset(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    say_null_texts(output, "that are None")
+    info = json.loads((output / INFO_FILE).read_text())
+    say_null_texts(info.get(NULL_TEXTS, 0), "that are None")
     return output
 
 
@@ -322,13 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {split['documents']} documents, {split['tokens']:,} tokens", file=sys.stderr
         )
-    say_null_texts(out, f"whose {args.text_field!r} is null")
+    say_null_texts(info.get(NULL_TEXTS, 0), f"whose {args.text_field!r} is null")
     return 0
 
 
-def say_null_texts(output: Path, which: str) -> None:
+def say_null_texts(skipped: int, which: str) -> None:
     """One line when prepare left documents out for a null text: never a silent loss."""
-    skipped = json.loads((output / INFO_FILE).read_text()).get(NULL_TEXTS, 0)
     if skipped:
         noun = "document" if skipped == 1 else "documents"
         print(f"skipped {skipped:,} {noun} {which}", file=sys.stderr)

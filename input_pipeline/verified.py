@@ -1,7 +1,8 @@
-"""The shards this host has already checked against their sha256. A shard that is the same file,
-unchanged since (size, modification and change times), is not read again: a restart, such as a
-Slurm requeue, of a run over hundreds of GB of shards starts without re-reading them all. The
-change time cannot be set back by copying tools, so a shard rewritten in place is read again.
+"""The shards this process has already checked against their sha256. A shard that is the same
+file, unchanged since (inode number, size, modification and change times), is not read again: a
+restart, such as a Slurm requeue, of a run over hundreds of GB of shards starts without
+re-reading them all. The change time cannot be set back by copying tools, so a shard rewritten
+in place is read again.
 
 Processes that start together read each shard once among them where they read the same files
 (`shards_to_hash`): a shard every process sees with the same `shared_stamp` is one file on
@@ -11,7 +12,16 @@ times. A disk image cloned to every host does not: its copies look shared, and e
 only its share of its own copy. Every shard of the image is still checked, on one host's copy;
 bytes that differ on another host's copy without a change of its stamp (damaged in the cloning,
 or on that disk since) are caught only as they are read (ArrayRecord chunk and TFRecord record
-checksums), as on a restart that trusts this record."""
+checksums), as on a restart that trusts this record.
+
+Each process keeps its own record, named by its process index (`record_file`): the default cache
+folder is in the home folder, which most clusters share among hosts, and one file saved whole by
+every host kept only the last writer's entries (host-local copies at one path collide there). The
+index, unlike a host name, is the same after a Slurm requeue onto other nodes or in a Kubernetes
+pod of another name. The stamps leave out the device number: an NFS mount's is numbered by each
+client as it mounts, so another host, or the same one after a reboot, would find none alike. A
+record from before these files were per process (`verified-shards.json`) is not read: the first
+start after the upgrade checks every shard once."""
 
 from __future__ import annotations
 
@@ -23,20 +33,23 @@ import numpy as np
 
 from input_pipeline.atomic import write_json
 
-VERIFIED_FILE = "verified-shards.json"  # in the cache folder (`corpora.default_cache_dir`)
 
-
-def file_stamp(path: str | Path) -> str:
-    """What changes whenever the file at `path` is replaced or written."""
-    st = os.stat(path)
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+def record_file(cache_dir: Path, process: int) -> Path:
+    """The record of process `process` in the cache folder (`corpora.default_cache_dir`)."""
+    return cache_dir / f"verified-shards.{process}.json"
 
 
 def shared_stamp(path: str | Path) -> tuple[int, int, int, int]:
-    """`file_stamp` without the device number, which each host numbers its mounts by: what
-    every host that mounts the same file sees alike."""
+    """What changes whenever the file at `path` is replaced or written, and what every host that
+    mounts the same file sees alike: not the device number, which each host numbers its mounts
+    by."""
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def file_stamp(path: str | Path) -> str:
+    """`shared_stamp` as the record stores it."""
+    return ":".join(map(str, shared_stamp(path)))
 
 
 def shards_to_hash(

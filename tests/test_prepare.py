@@ -260,7 +260,7 @@ def test_null_texts_are_skipped_and_counted_alike_in_parquet_and_jsonl(tmp_path,
         info = load_dataset_info(out)
         splits[name] = info.raw["splits"]
         skipped = 0 if name == "clean.parquet" else 3
-        assert info.null_texts_skipped == skipped
+        assert info.raw.get("null_texts_skipped", 0) == skipped
         if skipped:
             assert said[-1] == "skipped 3 documents whose 'body' is null"
         else:
@@ -272,7 +272,7 @@ def test_prepare_dataset_skips_and_counts_none_documents(tmp_path, capsys):
     """Before: a None document was an AttributeError traceback from the held-out split's hash."""
     docs = texts(10)
     out = prepare_dataset([None, *docs, None], tmp_path / "out", eval_fraction=0.1, progress=False)
-    assert load_dataset_info(out).null_texts_skipped == 2
+    assert load_dataset_info(out).raw.get("null_texts_skipped", 0) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "skipped 2 documents that are None"
     clean = prepare_dataset(docs, tmp_path / "clean", eval_fraction=0.1, progress=False)
     assert load_dataset_info(out).raw["splits"] == load_dataset_info(clean).raw["splits"]

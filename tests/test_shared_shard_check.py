@@ -12,7 +12,7 @@ from conftest import flipped_copy
 from test_multihost import on_two_hosts, on_two_joined_processes, started_on_two_hosts
 
 from input_pipeline.dataset_info import load_dataset_info
-from input_pipeline.verified import VERIFIED_FILE, shards_to_hash, shared_stamp
+from input_pipeline.verified import record_file, shards_to_hash, shared_stamp
 
 # ----------------------------------------------------------------------------- the decision
 
@@ -129,9 +129,9 @@ def checks_of(said: Path) -> list[tuple[str, set[str], list[str]]]:
     return checks
 
 
-def recorded(caches: Path, dataset: Path) -> set[str]:
+def recorded(caches: Path, dataset: Path, process: int) -> set[str]:
     """The shards a process's record (`VerifiedShards`) says matched."""
-    entries = json.loads((caches / dataset.name / VERIFIED_FILE).read_text())
+    entries = json.loads(record_file(caches / dataset.name, process).read_text())
     return {Path(path).name for path in entries}
 
 
@@ -167,7 +167,7 @@ def test_processes_sharing_the_shards_hash_each_once_and_both_stop_on_a_damaged_
     assert first_0[2] == first_1[2] == ["passed"]
     assert first_0[1] and first_1[1] and not first_0[1] & first_1[1], (first_0, first_1)
     assert first_0[1] | first_1[1] == names
-    assert recorded(caches[0], shared) == recorded(caches[1], shared) == names
+    assert recorded(caches[0], shared, 0) == recorded(caches[1], shared, 1) == names
     assert again_0 == again_1 == ("shared", set(), ["passed"])
 
     for process, (copy, said_0, said_1) in enumerate(
@@ -177,7 +177,7 @@ def test_processes_sharing_the_shards_hash_each_once_and_both_stop_on_a_damaged_
         line = load_dataset_info(copy).mismatch(copy / shard)
         assert said_0[2] == said_1[2] == [f"error: {line}"], (said_0, said_1)
         assert [shard in said_0[1], shard in said_1[1]] == [process == 0, process == 1]
-        assert recorded(caches[0], copy) == recorded(caches[1], copy) == names - {shard}
+        assert recorded(caches[0], copy, 0) == recorded(caches[1], copy, 1) == names - {shard}
 
     assert own_0[1] == own_1[1] == names
     assert own_0[2] == own_1[2] == ["passed"]
@@ -200,7 +200,7 @@ def test_a_damaged_shared_shard_stops_both_runs_with_one_line(tmp_path, corpus, 
         assert stderr.splitlines()[1:] == [line], stderr[-3000:]
     names = {path.name for path in all_shards(copy)} - {shard.name}
     for host in range(2):
-        entries = json.loads((tmp_path / f"host{host}" / "cache" / VERIFIED_FILE).read_text())
+        entries = json.loads(record_file(tmp_path / f"host{host}" / "cache", host).read_text())
         assert {Path(path).name for path in entries} == names
 
 

@@ -36,9 +36,9 @@ from input_pipeline.records import MemorySource, SkippedCount, available_memory,
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
 from input_pipeline.verified import (
-    VERIFIED_FILE,
     VerifiedShards,
     file_stamp,
+    record_file,
     shards_to_hash,
     shared_stamp,
 )
@@ -386,8 +386,10 @@ def _gather_int64(mine: np.ndarray) -> np.ndarray:
 
 
 def verified_shards(data: DataConfig) -> VerifiedShards:
-    """This host's record of the shards it has checked, in the cache folder of built-in corpora."""
-    return VerifiedShards(Path(data.cache_dir or default_cache_dir()) / VERIFIED_FILE)
+    """This process's record of the shards it has checked, in the cache folder of built-in
+    corpora (which hosts may share)."""
+    cache_dir = Path(data.cache_dir or default_cache_dir())
+    return VerifiedShards(record_file(cache_dir, jax.process_index()))
 
 
 def check_same_tokenizer(infos: dict[str, DatasetInfo]) -> None:
