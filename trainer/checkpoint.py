@@ -124,7 +124,9 @@ class Checkpointer:
         self._warming: Checkpointer | None = None  # `warm_up`'s throwaway save, until written
         self._saving: contextlib.ExitStack | None = None  # from the first save until `close`
         self.options = _manager_options(config, writable=create)
-        self._stop_every_process_if(self._listing_problem(), "read")
+        _stop_every_process_if(self._listing_problem(), "read", self.directory)
+        if create:
+            _stop_every_process_if(self._creation_problem(), "create", self.directory)
         self._open_on_every_process(create)
 
     def _listing_problem(self) -> TrainingError | None:
@@ -138,6 +140,23 @@ class Checkpointer:
         except OSError as err:
             return self._unreadable(err)
         return None
+
+    def _creation_problem(self) -> TrainingError | None:
+        """The folder, made on process 0 before Orbax's manager would make it there, alone:
+        a failure inside Orbax left the other processes waiting at its next barrier."""
+        if jax.process_index() != 0:
+            return None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            return self._uncreatable(err)
+        return None
+
+    def _uncreatable(self, err: OSError) -> TrainingError:
+        return TrainingError(
+            f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
+            "choose a writable run.workdir"
+        )
 
     def _unreadable(self, err: OSError) -> TrainingError:
         return TrainingError(
@@ -154,9 +173,9 @@ class Checkpointer:
                 with _closed_on_error(self.manager):
                     self._check_writable("starting the run")
         except TrainingError as err:
-            self._stop_every_process_if(err, "open")  # raises: each process asks once
+            _stop_every_process_if(err, "open", self.directory)  # raises: each asks once
         with _closed_on_error(self.manager):
-            self._stop_every_process_if(None, "open")
+            _stop_every_process_if(None, "open", self.directory)
 
     def _open_manager_or_refuse(self) -> ocp.CheckpointManager:
         """A new manager, or one line: a folder that exists failed to be read (its listing
@@ -165,26 +184,7 @@ class Checkpointer:
         try:
             return self._open_manager()
         except OSError as err:
-            if existed:
-                raise self._unreadable(err) from None
-            raise TrainingError(
-                f"cannot create checkpoint folder {self.directory}: {err.strerror}; "
-                "choose a writable run.workdir"
-            ) from None
-
-    def _stop_every_process_if(self, failure: TrainingError | None, doing: str) -> None:
-        """Raise `failure` here, and on every other process a line naming the first process it
-        was raised on (one small all-gather): a process that stopped alone left the others
-        waiting in their next collective until JAX's coordination service aborted them."""
-        failed = np.flatnonzero(_on_every_process(int(failure is not None)))
-        if failure is not None:
-            raise failure
-        if failed.size:
-            raise TrainingError(
-                f"process {failed[0]} cannot {doing} checkpoint folder {self.directory} (its own "
-                "log says why); nothing in it was changed: check the storage it is on from that "
-                "host (its mount, its permissions) and re-run"
-            )
+            raise (self._unreadable(err) if existed else self._uncreatable(err)) from None
 
     def _open_manager(self, clean: bool = True) -> ocp.CheckpointManager:
         """A fresh manager: it caches the step list and, after one restore, the item layout.
@@ -206,17 +206,18 @@ class Checkpointer:
         cls, path: str | Path, fix: str = "give the run.workdir of a past run"
     ) -> tuple[Checkpointer, int]:
         """The latest checkpoint under a run's workdir or its `checkpoints/` folder; `fix` is
-        what the caller's user should do when there is none."""
+        what the caller's user should do when there is none. Every process finds both, or
+        every process stops (a host whose mount lacks the run, or lists it late)."""
         path = Path(path)
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        if not folder.is_dir():
-            raise TrainingError(f"{path} holds no checkpoints; {fix}")
+        missing = None if folder.is_dir() else TrainingError(f"{path} holds no checkpoints; {fix}")
+        _stop_every_process_if(missing, "find", folder)
         checkpointer = cls(folder, CheckpointConfig(), create=False)
         step = checkpointer.latest_step()
-        if step is None:
-            checkpointer.close()
-            raise TrainingError(f"{folder} holds no complete checkpoint; {fix}")
-        return checkpointer, step
+        empty = TrainingError(f"{folder} holds no complete checkpoint; {fix}")
+        with _closed_on_error(checkpointer.manager):
+            _stop_every_process_if(empty if step is None else None, "list a checkpoint in", folder)
+        return checkpointer, step  # type: ignore[return-value]  # None stopped every process
 
     def latest_step(self) -> int | None:
         """Latest *complete* step: Orbax only lists finalized step folders."""
@@ -264,16 +265,21 @@ class Checkpointer:
         after: what export and generate read."""
         checkpointer, _ = cls.open_existing(workdir)
         try:
-            saved = sorted(checkpointer.manager.all_steps())
-            if step is not None and step not in saved:
-                raise TrainingError(
-                    f"{checkpointer.directory} has no step {step}; saved steps: {saved}"
-                )
+            if step is not None:
+                checkpointer._stop_unless_listed(step)
             chosen = None if step is None else [step]
             read = functools.partial(restore, checkpointer)
             return checkpointer.restore_newest(read, chosen, advice)[1]
         finally:
             checkpointer.close()
+
+    def _stop_unless_listed(self, step: int) -> None:
+        """Stop every process when one does not list `step` (its host's listing not refreshed
+        yet): the others would go on to read it, and wait for that one at Orbax's barrier."""
+        saved = sorted(self.manager.all_steps())
+        absent = TrainingError(f"{self.directory} has no step {step}; saved steps: {saved}")
+        where = self.directory
+        _stop_every_process_if(None if step in saved else absent, f"find step {step} in", where)
 
     def _try_restore(self, restore: Callable[[int], T], step: int) -> tuple[T | None, str | None]:
         """The restored value, or the reason the step is damaged, agreed by every process (a
@@ -355,8 +361,7 @@ class Checkpointer:
     ) -> float:
         """Start a save; returns the seconds the caller was blocked (device-to-host copy)."""
         jax.block_until_ready(state)  # time the copy, not the step that is still running
-        self._check_writable(f"saving step {step}")
-        self._check_free_space(step, state)
+        _stop_every_process_if(self._save_problem(step, state), "save into", self.directory)
         start = time.perf_counter()
         self._finish_warm_up()  # one save at a time, as Orbax does within one manager
         if self._saving is None:  # failures in Orbax's threads: reported by us, once
@@ -374,6 +379,17 @@ class Checkpointer:
             )
         return time.perf_counter() - start
 
+    def _save_problem(self, step: int, state: TrainState) -> TrainingError | None:
+        """Why this process refuses to start the save (a folder that takes no new file, a disk
+        without room for it), asked before any process starts it: one that raised alone left
+        the others waiting at Orbax's first save barrier."""
+        try:
+            self._check_writable(f"saving step {step}")
+            self._check_free_space(step, state)
+        except TrainingError as err:
+            return err
+        return None
+
     def warm_up(self, state: TrainState, meta: dict[str, Any]) -> None:
         """A throwaway save of `state` into `<directory>.warm_up` (deleted once written) before
         the first step: what Orbax and the runtime set up on first use (handlers, thread pools,
@@ -382,7 +398,8 @@ class Checkpointer:
         1B blocked 6.4 s in the first async save, 0.30 s in the second)."""
         folder = self.directory.with_name(self.directory.name + ".warm_up")
         needed = _state_bytes(state)
-        if folder.parent.is_dir() and needed > shutil.disk_usage(folder.parent).free:
+        no_room = folder.parent.is_dir() and needed > shutil.disk_usage(folder.parent).free
+        if _on_every_process(int(no_room)).any():  # read a moment apart: skipped by all or none
             return  # no room for a throwaway copy: the real save's own check speaks for the disk
         warm = Checkpointer(folder, self.config)
         for step in warm.manager.all_steps():  # left by a run killed while warming up
@@ -817,6 +834,21 @@ def _tree_file_problem(item: Path) -> str | None:
 def _warn(line: str) -> None:
     if jax.process_index() == 0:
         print(line, file=sys.stderr, flush=True)
+
+
+def _stop_every_process_if(failure: TrainingError | None, doing: str, directory: Path) -> None:
+    """Raise `failure` here, and on every other process a line naming the first process it was
+    raised on (one small all-gather): a process that stopped alone left the others waiting in
+    their next collective until JAX's coordination service aborted them."""
+    failed = np.flatnonzero(_on_every_process(int(failure is not None)))
+    if failure is not None:
+        raise failure
+    if failed.size:
+        raise TrainingError(
+            f"process {failed[0]} cannot {doing} checkpoint folder {directory} (its own log "
+            "says why); nothing in it was changed: check the storage it is on from that host "
+            "(its mount, its permissions) and re-run"
+        )
 
 
 def _worst_on_any_process(outcome: int) -> int:

@@ -1,0 +1,232 @@
+"""Checkpoint decisions that each process takes on its own reading of the storage are agreed
+before any of them acts on it: a process that raised alone, or skipped a step alone, while the
+others went on to a collective, left them waiting there until JAX's coordination service
+aborted them. Each case stops (or skips) on every process at once, with one line on each: the
+process that met the problem says what it met, the others name that process."""
+
+import pytest
+from test_multihost import on_two_joined_processes
+
+# Two processes do `case` with `folder` and a replicated array (the `open_existing` cases save
+# it as step 1 first) while one of them reads the storage otherwise (patched in that process: the
+# decision under test is ours, not the storage's). Each writes what it says to its own file
+# (stdout also carries Gloo's lines).
+ON_TWO_PROCESSES = """
+import errno
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer.checkpoint import Checkpointer, param_shapes
+from trainer.config import CheckpointConfig
+from trainer.errors import TrainingError
+from trainer.parallel.distributed import cluster_from_env, initialize
+from trainer.parallel.state import TrainState
+
+case, folder, said = sys.argv[1:]
+folder, said = Path(folder), open(said, "w", buffering=1)
+initialize(cluster_from_env())
+replicated = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec())
+array = np.arange(64, dtype=np.float32)
+params = {"w": jax.make_array_from_callback(array.shape, replicated, lambda index: array[index])}
+step = jax.make_array_from_callback((), replicated, lambda index: np.int32(1))
+state, meta = TrainState(step, params, {}, {}), {"param_shapes": param_shapes(params)}
+here = jax.process_index()
+
+
+def unseen_here(real):
+    # A host whose mount lacks the past run's workdir: no folder under it is there.
+    return lambda path: False if folder.parent in (path, *path.parents) else real(path)
+
+
+def no_room_here(real, where):
+    # A shared disk read a moment later than the other process did: full.
+    empty = shutil._ntuple_diskusage(1 << 40, 1 << 40, 0)
+    return lambda path: empty if Path(path) == where else real(path)
+
+
+def refused_here(real):
+    # A folder that process 0 alone fails to make (a quota, a permission).
+    def mkdir(path, *args, **kwargs):
+        if Path(path) == folder:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    return mkdir
+
+
+try:
+    if case.startswith("open_existing"):
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        checkpointer.save(1, state, None, meta)
+        checkpointer.close()
+        if here == 1 and case == "open_existing":
+            Path.is_dir = unseen_here(Path.is_dir)
+        if here == 1 and case == "open_existing_listed_late":  # a listing not refreshed yet
+            ocp.CheckpointManager.latest_step = lambda manager: None
+        if here == 1 and case == "open_existing_step_listed_late":
+            ocp.CheckpointManager.all_steps = lambda manager, read=False: []
+        if case == "open_existing_step_listed_late":  # export and generate with --step 1
+            Checkpointer.restore_past_run(folder.parent, 1, Checkpointer.read_meta, advice="")
+        checkpointer, latest = Checkpointer.open_existing(folder.parent)
+        checkpointer.close()
+        print(f"found step {latest}", file=said)
+    elif case == "warm_up":
+        if here == 1:
+            shutil.disk_usage = no_room_here(shutil.disk_usage, folder.parent)
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        checkpointer.warm_up(state, meta)
+        print(f"warming up: {checkpointer._warming is not None}", file=said)
+        checkpointer.save(1, state, None, meta)
+        checkpointer.close()
+        print("saved step 1", file=said)
+    elif case == "save":
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        if here == 1:
+            shutil.disk_usage = no_room_here(shutil.disk_usage, folder)
+        try:
+            checkpointer.save(1, state, None, meta)
+        finally:
+            checkpointer.close()
+        print("saved step 1", file=said)
+    elif case == "create":
+        if here == 0:
+            os.mkdir = refused_here(os.mkdir)
+        Checkpointer(folder, CheckpointConfig()).close()
+        print("created", file=said)
+except TrainingError as err:
+    print(f"error: {err}", file=said)
+print("folder: " + ("there" if folder.exists() else "absent"), file=said)
+"""
+
+
+def on_two_processes(tmp_path, repo_root, case: str) -> tuple[list[list[str]], list[str]]:
+    """What each process said, and what each printed; both must have exited 0."""
+    script = tmp_path / "agree.py"
+    script.write_text(ON_TWO_PROCESSES)
+    folder = tmp_path / "run" / "checkpoints"
+    said = [tmp_path / f"said{i}.txt" for i in range(2)]
+    statuses, printed = on_two_joined_processes(
+        repo_root, [[str(script), case, str(folder), str(said[i])] for i in range(2)], devices=1
+    )
+    assert statuses == [0, 0], printed
+    assert not any("Traceback" in out for out in printed), printed
+    return [path.read_text().splitlines() for path in said], printed
+
+
+@pytest.mark.slow
+def test_a_past_run_one_process_does_not_see_stops_every_process_in_one_line(tmp_path, repo_root):
+    """`open_existing` (init_from, export, generate). Before: process 1 raised "holds no
+    checkpoints" alone while process 0 waited in the checkpointer's first all-gather."""
+    said, printed = on_two_processes(tmp_path, repo_root, "open_existing")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            f"error: process 1 cannot find checkpoint folder {folder} (its own log says why); "
+            "nothing in it was changed: check the storage it is on from that host (its mount, "
+            "its permissions) and re-run",
+            "folder: there",
+        ],
+        [
+            f"error: {folder.parent} holds no checkpoints; give the run.workdir of a past run",
+            "folder: there",
+        ],
+    ], printed
+
+
+@pytest.mark.slow
+def test_a_past_run_one_process_lists_no_checkpoint_of_stops_every_process_in_one_line(
+    tmp_path, repo_root
+):
+    """The folder is there on every host, but one lists no complete step in it."""
+    said, printed = on_two_processes(tmp_path, repo_root, "open_existing_listed_late")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            f"error: process 1 cannot list a checkpoint in checkpoint folder {folder} (its own "
+            "log says why); nothing in it was changed: check the storage it is on from that "
+            "host (its mount, its permissions) and re-run",
+            "folder: there",
+        ],
+        [
+            f"error: {folder} holds no complete checkpoint; give the run.workdir of a past run",
+            "folder: there",
+        ],
+    ], printed
+
+
+@pytest.mark.slow
+def test_a_step_one_process_does_not_list_stops_every_process_in_one_line(tmp_path, repo_root):
+    """Export and generate of a step asked for by number. Before: process 1 raised "has no
+    step 1" alone while process 0 went on to read it, and waited at Orbax's restore barrier."""
+    said, printed = on_two_processes(tmp_path, repo_root, "open_existing_step_listed_late")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            f"error: process 1 cannot find step 1 in checkpoint folder {folder} (its own log "
+            "says why); nothing in it was changed: check the storage it is on from that host "
+            "(its mount, its permissions) and re-run",
+            "folder: there",
+        ],
+        [f"error: {folder} has no step 1; saved steps: []", "folder: there"],
+    ], printed
+
+
+@pytest.mark.slow
+def test_a_warm_up_one_process_finds_no_room_for_is_skipped_on_every_process(tmp_path, repo_root):
+    """Before: process 1 skipped the warm-up save and went on to the real one while process 0
+    opened the warm-up folder, each in a collective the other never reached."""
+    said, printed = on_two_processes(tmp_path, repo_root, "warm_up")
+    assert said == [["warming up: False", "saved step 1", "folder: there"]] * 2, printed
+
+
+@pytest.mark.slow
+def test_a_save_one_process_finds_no_room_for_stops_every_process_in_one_line(tmp_path, repo_root):
+    """Before: process 1 refused the save alone while process 0 started it, and waited at
+    Orbax's first save barrier."""
+    said, printed = on_two_processes(tmp_path, repo_root, "save")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            f"error: process 1 cannot save into checkpoint folder {folder} (its own log says "
+            "why); nothing in it was changed: check the storage it is on from that host (its "
+            "mount, its permissions) and re-run",
+            "folder: there",
+        ],
+        [
+            f"error: checkpoint folder {folder} has 0.0 MB free but the save of step 1 needs "
+            "about 0.0 MB; free space there, lower checkpoint.keep, or point run.workdir at a "
+            "larger disk",
+            "folder: there",
+        ],
+    ], printed
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_process_0_cannot_make_stops_every_process_in_one_line(
+    tmp_path, repo_root
+):
+    """Orbax makes the folder on process 0 alone, then waits at a barrier. Before: process 0
+    raised from the failed mkdir into our next all-gather, and process 1 failed at Orbax's
+    barrier with a traceback (its name did not match)."""
+    said, printed = on_two_processes(tmp_path, repo_root, "create")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            f"error: cannot create checkpoint folder {folder}: Permission denied; choose a "
+            "writable run.workdir",
+            "folder: absent",
+        ],
+        [
+            f"error: process 0 cannot create checkpoint folder {folder} (its own log says "
+            "why); nothing in it was changed: check the storage it is on from that host (its "
+            "mount, its permissions) and re-run",
+            "folder: absent",
+        ],
+    ], printed
