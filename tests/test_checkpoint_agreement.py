@@ -95,6 +95,21 @@ try:
         finally:
             checkpointer.close()
         print("saved step 1", file=said)
+    elif case == "restore_listed_late":  # a resume whose host lists the newest step late
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        for saved in (1, 2):
+            checkpointer.save(saved, state, None, meta)
+        checkpointer.close()
+        if here == 1:
+            ocp.CheckpointManager.all_steps = lambda manager, read=False: [1]
+            ocp.CheckpointManager.latest_step = lambda manager: 1
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        try:
+            newest = checkpointer.newest_step()
+            read, _ = checkpointer.restore_newest(lambda step: checkpointer.read_meta(step))
+            print(f"newest {newest}, read step {read}", file=said)
+        finally:
+            checkpointer.close()
     elif case == "create":
         if here == 0:
             os.mkdir = refused_here(os.mkdir)
@@ -230,3 +245,20 @@ def test_a_checkpoint_folder_process_0_cannot_make_stops_every_process_in_one_li
             "folder: absent",
         ],
     ], printed
+
+
+@pytest.mark.slow
+def test_a_resume_whose_processes_list_other_newest_steps_stops_every_process_in_one_line(
+    tmp_path, repo_root
+):
+    """A host whose listing of the shared folder lags. Before: process 0 restored step 2 and
+    process 1 step 1, each its own shards of the model, in silence."""
+    said, printed = on_two_processes(tmp_path, repo_root, "restore_listed_late")
+    folder = tmp_path / "run" / "checkpoints"
+    line = (
+        f"error: the processes list other checkpoints in {folder} (the newest to read, process "
+        "0: step 2, process 1: step 1): their hosts see the folder differently (a network "
+        "filesystem's cache not yet refreshed, or another folder at that path); nothing was "
+        "read or changed: re-run once every host lists the same steps"
+    )
+    assert said == [[line, "folder: there"]] * 2, printed

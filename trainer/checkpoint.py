@@ -219,6 +219,30 @@ class Checkpointer:
             _stop_every_process_if(empty if step is None else None, "list a checkpoint in", folder)
         return checkpointer, step  # type: ignore[return-value]  # None stopped every process
 
+    def newest_step(self) -> int | None:
+        """`latest_step`, the same on every process, or one line on each."""
+        step = self.latest_step()
+        self._same_step_on_every_process(step)
+        return step
+
+    def _same_step_on_every_process(self, step: int | None) -> None:
+        """Stop every process unless each is about to read the same `step` (None: it lists none,
+        or none older): a host whose listing of the shared folder lags (a network filesystem's
+        cache) read another step than the others, and the model's shards came from two steps,
+        or it started afresh while they restored."""
+        steps = _on_every_process(-1 if step is None else step)
+        if (steps == steps[0]).all():
+            return
+        listed = ", ".join(
+            f"process {i}: {'none' if s < 0 else f'step {s}'}" for i, s in enumerate(steps)
+        )
+        raise TrainingError(
+            f"the processes list other checkpoints in {self.directory} (the newest to read, "
+            f"{listed}): their hosts see the folder differently (a network filesystem's cache "
+            "not yet refreshed, or another folder at that path); nothing was read or changed: "
+            "re-run once every host lists the same steps"
+        )
+
     def latest_step(self) -> int | None:
         """Latest *complete* step: Orbax only lists finalized step folders."""
         return self.manager.latest_step()
@@ -240,6 +264,7 @@ class Checkpointer:
         is tried. Any other failure (a read error of the storage, memory, an interrupt, a config
         to fix, a bug) ends the search with every checkpoint left in place (`_try_restore`)."""
         for step in sorted(self.manager.all_steps() if steps is None else steps, reverse=True):
+            self._same_step_on_every_process(step)
             value, reason = self._try_restore(restore, step)
             if reason is None:
                 return step, value
@@ -248,6 +273,7 @@ class Checkpointer:
                 f"warning: checkpoint {self.directory / str(step)} does not restore ({reason}); "
                 f"{outcome}; trying the previous one"
             )
+        self._same_step_on_every_process(None)
         kept = self.damaged()
         aside = f" (damaged ones moved aside: {', '.join(kept)})" if kept else ""
         raise TrainingError(f"no checkpoint in {self.directory} restores{aside}; {advice}")

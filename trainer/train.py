@@ -309,7 +309,7 @@ def restore_or_init(
     the step and the metadata saved with it (empty for a fresh start). Damaged checkpoints are
     moved aside; a run never starts afresh over them. Without either, `checkpoint.init_from`
     names the run or folder whose parameters start it."""
-    if checkpointer.latest_step() is None and not checkpointer.damaged():
+    if checkpointer.newest_step() is None and not checkpointer.damaged():
         if config.checkpoint.init_from:
             return init_from(config.checkpoint.init_from, program, spec), 0, {}
         return program.init(), 0, {}
