@@ -133,7 +133,9 @@ def test_nothing_takes_the_port_local_sh_chose_before_process_0_listens(tmp_path
         )
     assert taken.read_text().split() == ["nothing"], done.stderr[-3000:]
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(done.stdout.split("\n")[:-1]) == ["process 0 joined", "process 1 joined"]
+    assert sorted(done.stdout.split("\n")[:-1]) == ["process 0 joined", "process 1 joined"], repr(
+        done.stdout
+    )
 
 
 # Runs the command in argv with SIGINT's default action, as a terminal's job has it (a test
