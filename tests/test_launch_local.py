@@ -59,7 +59,9 @@ import os
 from trainer.parallel.distributed import cluster_from_env, initialize
 
 initialize(cluster_from_env())
-print(f"process {os.environ['JAX_PROCESS_ID']} joined", flush=True)
+# One write of the whole line: under xdist (PYTHONUNBUFFERED=1, inherited) print wrote the text
+# and its newline apart, and the two processes' lines interleaved in the launcher's stdout.
+os.write(1, f"process {os.environ['JAX_PROCESS_ID']} joined\\n".encode())
 """
 
 
