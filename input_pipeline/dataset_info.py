@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from input_pipeline.errors import DataError
-from input_pipeline.verified import VerifiedShards, file_stamp
+from input_pipeline.verified import VerifiedShards, shared_stamp
 
 INFO_FILE = "dataset.json"
 NULL_TEXTS = "null_texts_skipped"  # present only when prepare skipped some
@@ -85,7 +85,7 @@ class DatasetInfo:
         hashed on parallel threads (hashlib releases the GIL); those `verified` holds unchanged
         since they matched are not read again, and those that match now are added to it.
         (Several processes check their shards together: `trainer.data.verify_shards_together`.)"""
-        shards = [(path, expected, file_stamp(path)) for path, expected in self.checksums()]
+        shards = [(path, expected, shared_stamp(path)) for path, expected in self.checksums()]
         if verified is not None:
             shards = [
                 (path, expected, stamp)

@@ -39,17 +39,15 @@ def record_file(cache_dir: Path, process: int) -> Path:
     return cache_dir / f"verified-shards.{process}.json"
 
 
-def shared_stamp(path: str | Path) -> tuple[int, int, int, int]:
+Stamp = tuple[int, int, int, int]  # `shared_stamp`: inode number, size, mtime_ns, ctime_ns
+
+
+def shared_stamp(path: str | Path) -> Stamp:
     """What changes whenever the file at `path` is replaced or written, and what every host that
     mounts the same file sees alike: not the device number, which each host numbers its mounts
     by."""
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def file_stamp(path: str | Path) -> str:
-    """`shared_stamp` as the record stores it."""
-    return ":".join(map(str, shared_stamp(path)))
 
 
 def shards_to_hash(
@@ -86,12 +84,12 @@ class VerifiedShards:
             entries = {}
         self._entries: dict[str, list[str]] = entries if isinstance(entries, dict) else {}
 
-    def known(self, path: str | Path, stamp: str, sha256: str) -> bool:
+    def known(self, path: str | Path, stamp: Stamp, sha256: str) -> bool:
         """Whether the shard at `path`, now `stamp`, matched `sha256` when it last had it."""
-        return self._entries.get(os.path.realpath(path)) == [stamp, sha256]
+        return self._entries.get(os.path.realpath(path)) == [_stored(stamp), sha256]
 
-    def add(self, path: str | Path, stamp: str, sha256: str) -> None:
-        self._entries[os.path.realpath(path)] = [stamp, sha256]
+    def add(self, path: str | Path, stamp: Stamp, sha256: str) -> None:
+        self._entries[os.path.realpath(path)] = [_stored(stamp), sha256]
 
     def save(self) -> None:
         """Written whole under a temporary name, then renamed: processes that share the cache
@@ -102,3 +100,8 @@ class VerifiedShards:
             write_json(self.record, self._entries, indent=None)
         except OSError:
             pass
+
+
+def _stored(stamp: Stamp) -> str:
+    """A stamp as the record's JSON keeps it."""
+    return ":".join(map(str, stamp))

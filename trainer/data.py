@@ -35,13 +35,7 @@ from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, SkippedCount, available_memory, memory_needed
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
-from input_pipeline.verified import (
-    VerifiedShards,
-    file_stamp,
-    record_file,
-    shards_to_hash,
-    shared_stamp,
-)
+from input_pipeline.verified import Stamp, VerifiedShards, record_file, shards_to_hash, shared_stamp
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
 from trainer.parallel.distributed import data_not_opened, gather_rows
@@ -321,14 +315,14 @@ def verify_shards_together(
     if not (data.verify_checksums and shards):
         return
     record, me = verified_shards(data), jax.process_index()
-    stamps = [_stamps(path) for _, path, _ in shards]
+    stamps = [_stamp(path) for _, path, _ in shards]
     shared_S, mine = _whose_shards(shards, stamps, record, me)
     with ThreadPoolExecutor() as pool:  # hashlib releases the GIL
         hashed = dict(zip(mine, pool.map(lambda s: _hash(*shards[s]), mine), strict=True))
     found_S = [hashed.get(s, (NOT_HASHED, ""))[0] for s in range(len(shards))]
     found_PxS, _ = gather_rows(np.array(found_S, np.uint8))
     matched_S = np.where(shared_S, (found_PxS == MATCHES).any(axis=0), found_PxS[me] == MATCHES)
-    for (_, path, sha), (_, stamp), matched in zip(shards, stamps, matched_S, strict=True):
+    for (_, path, sha), stamp, matched in zip(shards, stamps, matched_S, strict=True):
         if matched:
             record.add(path, stamp, sha)
     record.save()
@@ -345,26 +339,26 @@ def verify_shards_together(
 
 def _whose_shards(
     shards: list[tuple[DatasetInfo, Path, str]],
-    stamps: list[tuple[tuple[int, ...], str]],
+    stamps: list[Stamp],
     record: VerifiedShards,
     me: int,
 ) -> tuple[np.ndarray, list[int]]:
     """`shards_to_hash` of every process's stamps of `shards` and of those its `record` lacks."""
     mine_Sx5 = [
-        [*shared, not record.known(path, stamp, sha)]
-        for (_, path, sha), (shared, stamp) in zip(shards, stamps, strict=True)
+        [*stamp, not record.known(path, stamp, sha)]
+        for (_, path, sha), stamp in zip(shards, stamps, strict=True)
     ]
     everyone_PxSx5 = _gather_int64(np.array(mine_Sx5, np.int64))
     return shards_to_hash(everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0, me)
 
 
-def _stamps(path: Path) -> tuple[tuple[int, ...], str]:
-    """`shared_stamp` and `file_stamp` of a shard; none for one gone since it was listed (which
-    its hash then says)."""
+def _stamp(path: Path) -> Stamp:
+    """`shared_stamp` of a shard; none (-1s) for one gone since it was listed (which its hash
+    then says)."""
     try:
-        return shared_stamp(path), file_stamp(path)
+        return shared_stamp(path)
     except OSError:
-        return (-1, -1, -1, -1), ""
+        return (-1, -1, -1, -1)
 
 
 def _hash(info: DatasetInfo, path: Path, sha256: str) -> tuple[int, str]:
