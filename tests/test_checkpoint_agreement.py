@@ -6,6 +6,7 @@ process that met the problem says what it met, the others name that process."""
 
 import pytest
 from test_multihost import on_two_joined_processes
+from test_restore_agreement import STOPPED_BY_LINE
 
 # Two processes do `case` with `folder` and a replicated array (the `open_existing` cases save
 # it as step 1 first) while one of them reads the storage otherwise (patched in that process: the
@@ -143,9 +144,7 @@ def test_a_past_run_one_process_does_not_see_stops_every_process_in_one_line(tmp
     folder = tmp_path / "run" / "checkpoints"
     assert said == [
         [
-            f"error: process 1 cannot find checkpoint folder {folder} (its own log says why); "
-            "nothing in it was changed: check the storage it is on from that host (its mount, "
-            "its permissions) and re-run",
+            STOPPED_BY_LINE.format(process=1, doing="find", folder=folder),
             "folder: there",
         ],
         [
@@ -164,9 +163,7 @@ def test_a_past_run_one_process_lists_no_checkpoint_of_stops_every_process_in_on
     folder = tmp_path / "run" / "checkpoints"
     assert said == [
         [
-            f"error: process 1 cannot list a checkpoint in checkpoint folder {folder} (its own "
-            "log says why); nothing in it was changed: check the storage it is on from that "
-            "host (its mount, its permissions) and re-run",
+            STOPPED_BY_LINE.format(process=1, doing="list a checkpoint in", folder=folder),
             "folder: there",
         ],
         [
@@ -184,9 +181,7 @@ def test_a_step_one_process_does_not_list_stops_every_process_in_one_line(tmp_pa
     folder = tmp_path / "run" / "checkpoints"
     assert said == [
         [
-            f"error: process 1 cannot find step 1 in checkpoint folder {folder} (its own log "
-            "says why); nothing in it was changed: check the storage it is on from that host "
-            "(its mount, its permissions) and re-run",
+            STOPPED_BY_LINE.format(process=1, doing="find step 1 in", folder=folder),
             "folder: there",
         ],
         [f"error: {folder} has no step 1; saved steps: []", "folder: there"],
@@ -209,9 +204,7 @@ def test_a_save_one_process_finds_no_room_for_stops_every_process_in_one_line(tm
     folder = tmp_path / "run" / "checkpoints"
     assert said == [
         [
-            f"error: process 1 cannot save into checkpoint folder {folder} (its own log says "
-            "why); nothing in it was changed: check the storage it is on from that host (its "
-            "mount, its permissions) and re-run",
+            STOPPED_BY_LINE.format(process=1, doing="save into", folder=folder),
             "folder: there",
         ],
         [
@@ -239,9 +232,7 @@ def test_a_checkpoint_folder_process_0_cannot_make_stops_every_process_in_one_li
             "folder: absent",
         ],
         [
-            f"error: process 0 cannot create checkpoint folder {folder} (its own log says "
-            "why); nothing in it was changed: check the storage it is on from that host (its "
-            "mount, its permissions) and re-run",
+            STOPPED_BY_LINE.format(process=0, doing="create", folder=folder),
             "folder: absent",
         ],
     ], printed

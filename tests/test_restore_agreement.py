@@ -54,6 +54,12 @@ READ_ERROR_LINE = (
     "error: cannot read checkpoint folder {folder} ({problem}); nothing in it was changed: check "
     "the storage it is on (its mount, its permissions) and re-run"
 )
+# What the other processes say when `process` stopped on its own line about the folder.
+STOPPED_BY_LINE = (
+    "error: process {process} cannot {doing} checkpoint folder {folder} (its own log says why); "
+    "nothing in it was changed: check the storage it is on from that host (its mount, its "
+    "permissions) and re-run"
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +98,7 @@ def test_a_checkpoint_folder_one_process_cannot_list_stops_every_process_in_one_
     statuses, printed = on_two_joined_processes(repo_root, [cli, cli], devices=4)
     said = [[line for line in out.splitlines() if "error:" in line] for out in printed]
     assert said == [
-        [
-            f"error: process 1 cannot {doing} checkpoint folder {folder} (its own log says why); "
-            "nothing in it was changed: check the storage it is on from that host (its mount, "
-            "its permissions) and re-run"
-        ],
+        [STOPPED_BY_LINE.format(process=1, doing=doing, folder=folder)],
         [READ_ERROR_LINE.format(folder=folder, problem="Input/output error [EIO]")],
     ], printed
     assert statuses == [2, 2], printed
