@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import io
 import logging
 import os
 import signal
@@ -130,6 +131,16 @@ def dump_stacks_on_sigusr1() -> None:
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
 
 
+def one_write_per_line() -> None:
+    """Each printed line reaches stdout and stderr in one write, even where PYTHONUNBUFFERED is
+    set (common in container images), under which `print` writes the text and the newline apart:
+    the lines of several processes sharing a terminal (launch/local.sh) or a log then interleave
+    mid-line."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def quiet_asyncio() -> None:
     """An interrupt raised inside Orbax's save or restore task would be logged again, with its
     traceback, when asyncio collects that task at exit."""
@@ -155,6 +166,7 @@ def end_at_once_on_sigint(status: int) -> None:
 
 
 if __name__ == "__main__":
+    one_write_per_line()
     exit_status = main()
     end_at_once_on_sigint(exit_status)
     sys.exit(exit_status)
