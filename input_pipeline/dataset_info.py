@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from input_pipeline.errors import DataError
-from input_pipeline.verified import VerifiedShards, shared_stamp
+from input_pipeline.verified import Stamp, VerifiedShards, check_line, shared_stamp
 
 INFO_FILE = "dataset.json"
 NULL_TEXTS = "null_texts_skipped"  # present only when prepare skipped some
@@ -79,29 +83,16 @@ class DatasetInfo:
             "--overwrite (data.verify_checksums=false skips this)"
         )
 
+    def unreadable(self, path: Path, err: OSError) -> str:
+        """What is said of the shard at `path` that could not be read to check it."""
+        return (
+            f"cannot read shard {path} to check it ({err.strerror or err}); repair that storage "
+            "or restore the shard (data.verify_checksums=false skips this)"
+        )
+
     def verify_checksums(self, verified: VerifiedShards | None = None) -> None:
-        """Compare every shard with the sha256 `prepare` recorded: a shard changed or damaged
-        since then fails here, before training, rather than as odd batches later. Shards are
-        hashed on parallel threads (hashlib releases the GIL); those `verified` holds unchanged
-        since they matched are not read again, and those that match now are added to it.
-        (Several processes check their shards together: `trainer.data.verify_shards_together`.)"""
-        shards = [(path, expected, shared_stamp(path)) for path, expected in self.checksums()]
-        if verified is not None:
-            shards = [
-                (path, expected, stamp)
-                for path, expected, stamp in shards
-                if not (expected and verified.known(path, stamp, expected))
-            ]
-        with ThreadPoolExecutor() as pool:
-            actual = list(pool.map(sha256_of, [path for path, _, _ in shards]))
-        for (path, expected, _), digest in zip(shards, actual, strict=True):
-            if expected and digest != expected:
-                raise DataError(self.mismatch(path))
-        if verified is not None and shards:
-            for path, expected, stamp in shards:
-                if expected:
-                    verified.add(path, stamp, expected)
-            verified.save()
+        """`verify_datasets` of this dataset alone."""
+        verify_datasets([self], verified)
 
     def num_records(self, name: str) -> int:
         return int(self.split(name)["records"])
@@ -189,6 +180,62 @@ def _bad_field(info_file: Path, name: str, value: Any, wanted: str) -> str:
         f"{info_file}: {name} is {found}, not a {wanted} (damaged, or not written by prepare); "
         "re-run python -m input_pipeline.prepare --overwrite"
     )
+
+
+def verify_datasets(
+    datasets: Sequence[DatasetInfo], verified: VerifiedShards | None = None
+) -> None:
+    """Compare every shard of `datasets` with the sha256 `prepare` recorded: a shard changed or
+    damaged since then fails here, before training, rather than as odd batches later. Shards are
+    hashed on parallel threads (hashlib releases the GIL), after one line on stderr saying what
+    is read (`check_line`); those `verified` holds unchanged since they matched are not read
+    again, and those that match now are added to it, even when another does not. (Several
+    processes check their shards together: `trainer.data.verify_shards_together`.)"""
+    shards = _shards_to_check(datasets, verified)
+    if not shards:
+        return
+    stamps_1xSx4 = np.array([[stamp for *_, stamp in shards]], np.int64)
+    print(check_line(stamps_1xSx4, np.ones((1, len(shards)), bool)), file=sys.stderr)
+    with ThreadPoolExecutor() as pool:
+        found = list(pool.map(_sha256_or_error, [path for _, path, _, _ in shards]))
+    if verified is not None:
+        for (_, path, expected, stamp), digest in zip(shards, found, strict=True):
+            if digest == expected:
+                verified.add(path, stamp, expected)
+        verified.save()
+    for (info, path, expected, _), digest in zip(shards, found, strict=True):
+        if isinstance(digest, OSError):
+            raise DataError(info.unreadable(path, digest))
+        if digest != expected:
+            raise DataError(info.mismatch(path))
+
+
+def _shards_to_check(
+    datasets: Sequence[DatasetInfo], verified: VerifiedShards | None
+) -> list[tuple[DatasetInfo, Path, str, Stamp]]:
+    """The shards of `datasets` with a recorded sha256 that `verified` does not hold unchanged
+    since they matched it, each with its dataset, sha256 and `shared_stamp`."""
+    shards = [
+        (info, path, expected, shared_stamp(path))
+        for info in datasets
+        for path, expected in info.checksums()
+        if expected  # a listing without any sha256 has nothing to check
+    ]
+    if verified is None:
+        return shards
+    return [
+        (info, path, expected, stamp)
+        for info, path, expected, stamp in shards
+        if not verified.known(path, stamp, expected)
+    ]
+
+
+def _sha256_or_error(path: Path) -> str | OSError:
+    """`sha256_of`, or what kept the shard at `path` from being read (storage fails too)."""
+    try:
+        return sha256_of(path)
+    except OSError as err:
+        return err
 
 
 def sha256_of(path: Path) -> str:

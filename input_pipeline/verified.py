@@ -21,10 +21,12 @@ index, unlike a host name, is the same after a Slurm requeue onto other nodes or
 pod of another name. The stamps leave out the device number: an NFS mount's is numbered by each
 client as it mounts, so another host, or the same one after a reboot, would find none alike. A
 record from before these files were per process (`verified-shards.json`) is not read: the first
-start after the upgrade checks every shard once."""
+start after the upgrade checks every shard once. Two runs started at once on one cache folder
+write the same records: each save keeps what the other saved meanwhile (`VerifiedShards.save`)."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from pathlib import Path
@@ -54,21 +56,64 @@ def shards_to_hash(
     stamps_PxSx4: np.ndarray, unchecked_PxS: np.ndarray, me: int
 ) -> tuple[np.ndarray, list[int]]:
     """Which shards each process sees as one shared file, and which of the shards process `me`
-    hashes, from every process's `shared_stamp` of every shard and whether its record lacks it.
-    A shared shard any process lacks is hashed by one process: largest first, each to the
-    process with the fewest bytes to hash so far (the lowest on a tie). Any other shard is
-    hashed by every process whose record lacks it, each its own copy."""
+    hashes (`hashing_plan`)."""
+    shared_S, shares = hashing_plan(stamps_PxSx4, unchecked_PxS)
+    return shared_S, shares[me]
+
+
+def hashing_plan(
+    stamps_PxSx4: np.ndarray, unchecked_PxS: np.ndarray
+) -> tuple[np.ndarray, list[list[int]]]:
+    """Which shards each process sees as one shared file, and the shards each process hashes,
+    from every process's `shared_stamp` of every shard and whether its record lacks it. A shared
+    shard any process lacks is hashed by one process: largest first, each to the process with
+    the fewest bytes to hash so far (the lowest on a tie). Any other shard is hashed by every
+    process whose record lacks it, each its own copy."""
     shared_S = (stamps_PxSx4 == stamps_PxSx4[0]).all(axis=(0, 2))
-    mine = [s for s in range(len(shared_S)) if not shared_S[s] and unchecked_PxS[me, s]]
+    shares = [np.flatnonzero(~shared_S & unchecked).tolist() for unchecked in unchecked_PxS]
     sizes = stamps_PxSx4[0, :, 1]
-    to_split = [s for s in range(len(shared_S)) if shared_S[s] and unchecked_PxS[:, s].any()]
-    loads = [0] * len(stamps_PxSx4)
+    to_split = np.flatnonzero(shared_S & unchecked_PxS.any(axis=0)).tolist()
+    loads = [(0, process) for process in range(len(stamps_PxSx4))]  # a heap: fewest bytes first
     for shard in sorted(to_split, key=lambda s: (-sizes[s], s)):
-        process = loads.index(min(loads))
-        loads[process] += int(sizes[shard])
-        if process == me:
-            mine.append(shard)
-    return shared_S, sorted(mine)
+        load, process = heapq.heappop(loads)
+        shares[process].append(shard)
+        heapq.heappush(loads, (load + int(sizes[shard]), process))
+    return shared_S, [sorted(share) for share in shares]
+
+
+def check_line(stamps_PxSx4: np.ndarray, unchecked_PxS: np.ndarray) -> str | None:
+    """What the check about to start reads (`hashing_plan`), said once for all the processes: on
+    a first start, hundreds of GB on shared storage are read before the first step, with
+    nothing else to show for it. None when nothing is read (every shard known to every
+    process)."""
+    shared_S, shares = hashing_plan(stamps_PxSx4, unchecked_PxS)
+    sizes_PxS = np.maximum(stamps_PxSx4[..., 1], 0)  # -1: a shard gone since it was listed
+    read_P = [int(sizes_PxS[p, share].sum()) for p, share in enumerate(shares)]
+    shards = sum(len(share) for share in shares)
+    if not shards:
+        return None
+    own_copies = any(not shared_S[s] for share in shares for s in share)
+    what = f"{shards} shard{'s' if shards > 1 else ''} ({size_text(sum(read_P))}"
+    what += ", each process's own copies counted apart)" if own_copies else ")"
+    readers = [p for p, share in enumerate(shares) if share]
+    by = f", split over {len(readers)} processes" if len(readers) > 1 else ""
+    if len(shares) > 1 and len(readers) == 1:
+        by = f", all by process {readers[0]} of {len(shares)}"
+    elif own_copies and len(readers) > 1:  # each reads its own copy: nothing is split
+        by = f", by {len(readers)} processes, up to {size_text(max(read_P))} on one"
+    return (
+        f"checking the sha256 of {what} before training{by}; a one-time check: later starts skip "
+        "the shards that pass it and are unchanged since (data.verify_checksums=false turns it "
+        "off)"
+    )
+
+
+def size_text(size: int) -> str:
+    """A byte count as people read it, in decimal units as disks are sold (118.0 GB)."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
 
 
 class VerifiedShards:
@@ -78,11 +123,7 @@ class VerifiedShards:
 
     def __init__(self, record: Path):
         self.record = record
-        try:
-            entries = json.loads(record.read_text())
-        except (OSError, ValueError):
-            entries = {}
-        self._entries: dict[str, list[str]] = entries if isinstance(entries, dict) else {}
+        self._entries = _read_entries(record)
 
     def known(self, path: str | Path, stamp: Stamp, sha256: str) -> bool:
         """Whether the shard at `path`, now `stamp`, matched `sha256` when it last had it."""
@@ -93,15 +134,47 @@ class VerifiedShards:
 
     def save(self) -> None:
         """Written whole under a temporary name, then renamed: processes that share the cache
-        folder never read half a file (the last to save wins; the others' shards are read again
-        next time)."""
+        folder never read half a file. What another writer saved since this record was read (a
+        second run started at once on the same cache folder) is kept (`_merged`)."""
         try:
             self.record.parent.mkdir(parents=True, exist_ok=True)
+            self._entries = self._merged()
             write_json(self.record, self._entries, indent=None)
         except OSError:
             pass
+
+    def _merged(self) -> dict[str, list[str]]:
+        """These entries, and those in the file now that this record lacks or holds stale, where
+        they still match their shard's stamp. Another writer saving between this read and the
+        rename still wins; its shards are then only read again next time."""
+        merged = dict(self._entries)
+        for path, entry in _read_entries(self.record).items():
+            ours = merged.get(path)
+            if entry != ours and _still_current(path, entry) and not _still_current(path, ours):
+                merged[path] = entry
+        return merged
 
 
 def _stored(stamp: Stamp) -> str:
     """A stamp as the record's JSON keeps it."""
     return ":".join(map(str, stamp))
+
+
+def _read_entries(record: Path) -> dict[str, list[str]]:
+    """The entries of the record file `record`; none where it cannot be read."""
+    try:
+        entries = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _still_current(path: str, entry: object) -> bool:
+    """Whether `entry` is a record's `[stamp, sha256]` pair whose stamp the shard at `path` still
+    has."""
+    if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
+        return False
+    try:
+        return entry[0] == _stored(shared_stamp(path))
+    except OSError:
+        return False

@@ -8,11 +8,12 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import flipped_copy
 from test_multihost import on_two_hosts, on_two_joined_processes, started_on_two_hosts
 
 from input_pipeline.dataset_info import load_dataset_info
-from input_pipeline.verified import record_file, shards_to_hash, shared_stamp
+from input_pipeline.verified import check_line, record_file, shards_to_hash, shared_stamp, size_text
 
 # ----------------------------------------------------------------------------- the decision
 
@@ -64,9 +65,57 @@ def test_the_shared_stamp_leaves_out_the_device_and_tells_a_copy_from_the_file(c
     assert shared_stamp(copy) != shared_stamp(shard)
 
 
+# ----------------------------------------------------------------------------- the line before
+
+ONCE = (
+    "; a one-time check: later starts skip the shards that pass it and are unchanged since "
+    "(data.verify_checksums=false turns it off)"
+)
+
+
+def test_the_line_before_the_check_says_what_is_read_once_by_whom_and_how_to_skip_it():
+    """4 hosts over 40 shards of 11.8 GB on NFS read for about an hour before the first step,
+    without a word. One line now says it for every process; a restart that knows every shard
+    says nothing."""
+    everyone = stamps(*[11_800_000_000] * 40, processes=4)
+    assert check_line(everyone, np.ones((4, 40), bool)) == (
+        f"checking the sha256 of 40 shards (472.0 GB) before training, split over 4 processes{ONCE}"
+    )
+    assert check_line(everyone, np.zeros((4, 40), bool)) is None
+    one_lacks_one = np.zeros((4, 40), bool)
+    one_lacks_one[2, 7] = True  # a host whose record was lost: the least loaded process reads it
+    assert check_line(everyone, one_lacks_one) == (
+        f"checking the sha256 of 1 shard (11.8 GB) before training, all by process 0 of 4{ONCE}"
+    )
+    assert check_line(everyone[:1], np.ones((1, 40), bool)) == (
+        f"checking the sha256 of 40 shards (472.0 GB) before training{ONCE}"
+    )
+
+
+def test_the_line_before_the_check_counts_each_hosts_own_copies():
+    """Hosts with their own copies each read all of theirs: the wait is the most any one
+    process reads, not the total over the processes."""
+    everyone = stamps(*[100_000_000] * 10, processes=2)
+    everyone[1, 6:, 3] += 1  # the last 4 shards: each host's own copy
+    assert check_line(everyone, np.ones((2, 10), bool)) == (
+        "checking the sha256 of 14 shards (1.4 GB, each process's own copies counted apart) "
+        f"before training, by 2 processes, up to 700.0 MB on one{ONCE}"
+    )
+
+
+@pytest.mark.parametrize(
+    "size, said",
+    [(0, "0 bytes"), (999, "999 bytes"), (1000, "1.0 kB"), (1_849_000, "1.8 MB")]
+    + [(118_000_000_000, "118.0 GB"), (1_888_000_000_000, "1.9 TB")],
+)
+def test_sizes_are_said_in_decimal_units(size, said):
+    assert size_text(size) == said
+
+
 # ----------------------------------------------------------------------------- two processes
 
 CHECK_TOGETHER = """
+import contextlib
 import os
 import sys
 import threading
@@ -96,7 +145,9 @@ for dataset in datasets:
     data = load_config(None, [f"data.path={dataset}", f"data.cache_dir={caches}/{name}"]).data
     print(f"check {name}", file=said)
     try:
-        trainer.data.verify_shards_together(data, [load_dataset_info(dataset)], ("data.path", name))
+        with contextlib.redirect_stderr(said):  # the line before the check
+            infos = [load_dataset_info(dataset)]
+            trainer.data.verify_shards_together(data, infos, ("data.path", name))
         print("passed", file=said)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=said)
@@ -129,6 +180,22 @@ def checks_of(said: Path) -> list[tuple[str, set[str], list[str]]]:
     return checks
 
 
+def said_first(dataset: Path, own_copies: bool = False) -> str:
+    """The line process 0 of 2 says before a first start of both checks `dataset` (a few MB):
+    one copy on storage they share, or each its own (`own_copies`)."""
+    size = sum(path.stat().st_size for path in all_shards(dataset))
+    if not own_copies:
+        return (
+            f"checking the sha256 of {len(all_shards(dataset))} shards ({size / 1e6:.1f} MB) "
+            f"before training, split over 2 processes{ONCE}"
+        )
+    return (
+        f"checking the sha256 of {2 * len(all_shards(dataset))} shards ({2 * size / 1e6:.1f} MB, "
+        "each process's own copies counted apart) before training, by 2 processes, up "
+        f"to {size / 1e6:.1f} MB on one{ONCE}"
+    )
+
+
 def recorded(caches: Path, dataset: Path, process: int) -> set[str]:
     """The shards a process's record (`VerifiedShards`) says matched."""
     entries = json.loads(record_file(caches / dataset.name, process).read_text())
@@ -138,9 +205,10 @@ def recorded(caches: Path, dataset: Path, process: int) -> set[str]:
 def test_processes_sharing_the_shards_hash_each_once_and_both_stop_on_a_damaged_one(
     corpus, tmp_path, repo_root
 ):
-    """A first start of both processes on one shared dataset: each hashes its share, and both
-    record every shard; again, nothing is hashed. A damaged shard, whichever process hashed it,
-    is one line on both. Copies of their own (another inode each): each hashes all of its own."""
+    """A first start of both processes on one shared dataset: process 0 says in one line what
+    they read, each hashes its share, and both record every shard; again, nothing is hashed and
+    nothing said. A damaged shard, whichever process hashed it, is one line on both. Copies of
+    their own (another inode each): each hashes all of its own."""
     shared = Path(shutil.copytree(corpus, tmp_path / "shared"))
     damaged = [tmp_path / f"damaged-by-{process}" for process in range(2)]
     for process, copy in enumerate(damaged):
@@ -164,7 +232,8 @@ def test_processes_sharing_the_shards_hash_each_once_and_both_stop_on_a_damaged_
     )
     names = {path.name for path in all_shards(shared)}
 
-    assert first_0[2] == first_1[2] == ["passed"]
+    assert first_0[2] == [said_first(shared), "passed"]
+    assert first_1[2] == ["passed"]
     assert first_0[1] and first_1[1] and not first_0[1] & first_1[1], (first_0, first_1)
     assert first_0[1] | first_1[1] == names
     assert recorded(caches[0], shared, 0) == recorded(caches[1], shared, 1) == names
@@ -175,18 +244,21 @@ def test_processes_sharing_the_shards_hash_each_once_and_both_stop_on_a_damaged_
     ):
         shard = shard_hashed_by(process, corpus).name
         line = load_dataset_info(copy).mismatch(copy / shard)
-        assert said_0[2] == said_1[2] == [f"error: {line}"], (said_0, said_1)
+        assert said_0[2] == [said_first(copy), f"error: {line}"], said_0
+        assert said_1[2] == [f"error: {line}"], said_1
         assert [shard in said_0[1], shard in said_1[1]] == [process == 0, process == 1]
         assert recorded(caches[0], copy, 0) == recorded(caches[1], copy, 1) == names - {shard}
 
     assert own_0[1] == own_1[1] == names
-    assert own_0[2] == own_1[2] == ["passed"]
+    assert own_0[2] == [said_first(own[0], own_copies=True), "passed"]
+    assert own_1[2] == ["passed"]
 
 
 def test_a_damaged_shared_shard_stops_both_runs_with_one_line(tmp_path, corpus, repo_root):
     """Through `python -m trainer.main`: the shard process 1 hashes is damaged (a first start:
-    nothing recorded), and process 0, which never read it, stops with the same line (exit 2).
-    Both record the shards that matched, so a rerun once it is restored hashes only that one."""
+    nothing recorded), and process 0, which never read it, stops with the same line (exit 2),
+    after its line saying what both read. Both record the shards that matched, so a rerun once
+    it is restored hashes only that one."""
     copy, shard = flipped_copy(corpus, tmp_path / "damaged", shard_hashed_by(1, corpus).name)
     with started_on_two_hosts(tmp_path, repo_root, [copy, copy], "data.cache_dir=cache") as procs:
         said = [proc.communicate(timeout=120)[1] for proc in procs]
@@ -195,9 +267,9 @@ def test_a_damaged_shared_shard_stops_both_runs_with_one_line(tmp_path, corpus, 
         "(changed or damaged since prepare); restore it or re-run python -m "
         "input_pipeline.prepare --overwrite (data.verify_checksums=false skips this)"
     )
-    for proc, stderr in zip(procs, said, strict=True):
+    for proc, stderr, before in zip(procs, said, [[said_first(copy)], []], strict=True):
         assert proc.returncode == 2, stderr[-3000:]
-        assert stderr.splitlines()[1:] == [line], stderr[-3000:]
+        assert stderr.splitlines()[1:] == [*before, line], stderr[-3000:]
     names = {path.name for path in all_shards(copy)} - {shard.name}
     for host in range(2):
         entries = json.loads(record_file(tmp_path / f"host{host}" / "cache", host).read_text())

@@ -2,6 +2,7 @@
 every process hashed every shard at every start, so a run over hundreds of GB on shared storage
 re-read all of it at each Slurm requeue before its first step."""
 
+import errno
 import json
 import os
 import shutil
@@ -11,9 +12,9 @@ import pytest
 import input_pipeline.dataset_info as dataset_info
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
-from input_pipeline.verified import VerifiedShards, record_file
+from input_pipeline.verified import VerifiedShards, record_file, shared_stamp
 from trainer.config import load_config
-from trainer.data import load_dataset
+from trainer.data import load_dataset, load_sources, train_reading
 
 
 @pytest.fixture
@@ -38,6 +39,26 @@ def copy(corpus, tmp_path):
 def shards_of(folder) -> list[str]:
     info = load_dataset_info(folder)
     return [path.name for name in info.raw["splits"] for path in info.shard_paths(name)]
+
+
+def check_said(what: str) -> str:
+    """The line a check by one process says before it reads `what` ("8 shards (1.8 MB)")."""
+    return (
+        f"checking the sha256 of {what} before training; a one-time check: later starts skip "
+        "the shards that pass it and are unchanged since (data.verify_checksums=false turns it "
+        "off)\n"
+    )
+
+
+def touch(shard) -> None:
+    """Another modification time for `shard`, as any write gives it (a write within the same
+    clock tick as the last one may keep the times)."""
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def bytes_of(*folders) -> int:
+    return sum(path.stat().st_size for f in folders for path, _ in load_dataset_info(f).checksums())
 
 
 def test_a_restart_reads_no_shard_it_has_checked(copy, tmp_path, hashed):
@@ -110,3 +131,110 @@ def test_a_record_from_before_the_records_per_process_costs_one_reread(copy, tmp
     load_dataset(data)
     assert hashed == []
     assert json.loads((cache / "verified-shards.json").read_text()) == old
+
+
+def test_a_first_start_says_what_it_reads_and_a_restart_that_reads_nothing_is_silent(
+    copy, tmp_path, capsys
+):
+    """A first start over hundreds of GB read for an hour before its first step without a word,
+    as if hung: it now says first how many shards and bytes it reads, once only, and how to
+    skip it. A restart that knows every shard says nothing."""
+    data = load_config(None, [f"data.path={copy}", f"data.cache_dir={tmp_path / 'cache'}"]).data
+    load_dataset(data)
+    said = f"{len(shards_of(copy))} shards ({bytes_of(copy) / 1e6:.1f} MB)"
+    assert capsys.readouterr().err == check_said(said)
+    load_dataset(data)
+    assert capsys.readouterr().err == ""
+    shard = copy / shards_of(copy)[0]
+    touch(shard)  # written since: checked again
+    load_dataset(data)
+    said = f"1 shard ({shard.stat().st_size / 1e3:.1f} kB)"
+    assert capsys.readouterr().err == check_said(said)
+
+
+def test_the_datasets_of_a_mixture_are_checked_after_one_line_for_all(
+    copy, corpus, tmp_path, capsys, hashed
+):
+    other = shutil.copytree(corpus, tmp_path / "other")
+    data = load_config(
+        None,
+        [
+            f"data.mixture=[{{path: '{copy}', weight: 1}}, {{path: '{other}', weight: 1}}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+    ).data
+    load_sources(data, train_reading(data, seed=0))
+    shards = len(shards_of(copy)) + len(shards_of(other))
+    said = f"{shards} shards ({bytes_of(copy, other) / 1e6:.1f} MB)"
+    assert capsys.readouterr().err == check_said(said)
+    assert len(hashed) == shards
+
+
+def test_a_listing_without_any_checksum_reads_nothing(copy, tmp_path, hashed, capsys):
+    """Nothing to compare with: every shard was read for nothing."""
+    info = json.loads((copy / "dataset.json").read_text())
+    for split in info["splits"].values():
+        for shard in split["shards"]:
+            del shard["sha256"]
+    (copy / "dataset.json").write_text(json.dumps(info))
+    load_dataset_info(copy).verify_checksums(VerifiedShards(record_file(tmp_path, 0)))
+    assert (hashed, capsys.readouterr().err) == ([], "")
+
+
+def test_two_runs_saving_one_record_keep_each_others_shards(copy, tmp_path):
+    """Two runs started at once on one cache folder, each its process 0: the record saved last
+    held only its own shards, so the other run's were read again at its next start."""
+    record = record_file(tmp_path / "cache", 0)
+    first, second = shards_of(copy)[:2]
+    runs = [VerifiedShards(record), VerifiedShards(record)]  # both read it before either saves
+    for run, name in zip(runs, (first, second), strict=True):
+        run.add(copy / name, shared_stamp(copy / name), f"sha of {name}")
+        run.save()
+    again = VerifiedShards(record)
+    for name in (first, second):
+        assert again.known(copy / name, shared_stamp(copy / name), f"sha of {name}"), name
+
+
+def test_a_record_saved_meanwhile_keeps_none_of_its_shards_changed_since(copy, tmp_path):
+    """What the other run saved of a shard rewritten since is not taken over, and a newer check
+    of a shard is not undone by an older one saved meanwhile."""
+    record = record_file(tmp_path / "cache", 0)
+    changed, rechecked = (copy / name for name in shards_of(copy)[:2])
+    stale = VerifiedShards(record)
+    stale.add(rechecked, shared_stamp(rechecked), "old sha")
+    stale.save()
+    late = VerifiedShards(record)  # reads the old check of `rechecked`
+    other = VerifiedShards(record)
+    other.add(changed, shared_stamp(changed), "sha of changed")
+    touch(rechecked)
+    other.add(rechecked, shared_stamp(rechecked), "new sha")
+    other.save()
+    touch(changed)
+    late.save()
+    again = VerifiedShards(record)
+    assert again.known(rechecked, shared_stamp(rechecked), "new sha")
+    assert json.loads(record.read_text()).keys() == {os.path.realpath(rechecked)}
+
+
+def test_a_shard_the_storage_cannot_read_is_one_line_and_the_others_are_recorded(
+    copy, tmp_path, monkeypatch
+):
+    """An I/O error of the storage (NFS gives EIO) ended a one-process start in a traceback."""
+    failing = copy / shards_of(copy)[1]
+    real = dataset_info.sha256_of
+
+    def failing_storage(path):
+        if path == failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real(path)
+
+    monkeypatch.setattr(dataset_info, "sha256_of", failing_storage)
+    data = load_config(None, [f"data.path={copy}", f"data.cache_dir={tmp_path / 'cache'}"]).data
+    with pytest.raises(DataError) as raised:
+        load_dataset(data)
+    assert str(raised.value) == (
+        f"cannot read shard {failing} to check it (Input/output error); repair that storage or "
+        "restore the shard (data.verify_checksums=false skips this)"
+    )
+    entries = json.loads(record_file(tmp_path / "cache", 0).read_text())
+    assert {os.path.basename(path) for path in entries} == set(shards_of(copy)) - {failing.name}

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from input_pipeline.corpora import default_cache_dir, resolve_dataset
-from input_pipeline.dataset_info import DatasetInfo, load_dataset_info, sha256_of
+from input_pipeline.dataset_info import DatasetInfo, load_dataset_info, sha256_of, verify_datasets
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
 from input_pipeline.packing import blank_batch
@@ -35,7 +35,14 @@ from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, SkippedCount, available_memory, memory_needed
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
-from input_pipeline.verified import Stamp, VerifiedShards, record_file, shards_to_hash, shared_stamp
+from input_pipeline.verified import (
+    Stamp,
+    VerifiedShards,
+    check_line,
+    record_file,
+    shards_to_hash,
+    shared_stamp,
+)
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
 from trainer.parallel.distributed import data_not_opened, gather_rows
@@ -265,9 +272,11 @@ def load_sources(data: DataConfig, reading: Reading, verify: bool = True) -> lis
         [f"data.mixture[{i}].path" for i in range(len(entries))] if data.mixture else ["data.path"]
     )
     infos = {
-        name: load_dataset(data, e.path, key, verify)
+        name: load_dataset(data, e.path, key, verify=False)
         for name, e, key in zip(names, entries, keys, strict=True)
     }
+    if verify:  # all together: one line says what is read, and the shards hash in parallel
+        verify_here(data, list(infos.values()))
     check_same_tokenizer(infos)
     caches = memory_caches(data, infos, reading)
     return [
@@ -285,12 +294,20 @@ def load_dataset(
     info = load_dataset_info(resolve_dataset(path or data.path, data.cache_dir, key))
     if data.verify_checksums and not verify:
         info.checksums()  # a missing shard fails here, as the data opens, not in the later check
-    elif data.verify_checksums:
-        try:
-            info.verify_checksums(verified_shards(data))
-        except DataError as err:
-            _stop_or_warn(data, str(err))
+    elif verify:
+        verify_here(data, [info])
     return info
+
+
+def verify_here(data: DataConfig, datasets: Sequence[DatasetInfo]) -> None:
+    """`load_dataset`'s check of the shards of `datasets` by this process alone (unless
+    `data.verify_checksums` is off), against this process's record of those checked before."""
+    if not data.verify_checksums:
+        return
+    try:
+        verify_datasets(datasets, verified_shards(data))
+    except DataError as err:
+        _stop_or_warn(data, str(err))
 
 
 def _stop_or_warn(data: DataConfig, error: str) -> None:
@@ -305,10 +322,11 @@ def verify_shards_together(
 ) -> None:
     """`load_dataset`'s check of the shards of `datasets`, by all the processes of a run at
     once, so that on shared storage each shard is read once among them (`shards_to_hash`), not
-    once by every host. A shard that does not match stops every process, each with the same line
-    where they share it (`data.skip_corrupt`: a warning); one found unreadable, or differing in a
-    host's own copy, stops the others with a line naming that process (`setting`, the config
-    key and value of the data, says where). Every process reaches each all-gather, whatever it
+    once by every host; process 0 first says in one line what they all read (`check_line`). A
+    shard that does not match stops every process, each with the same line where they share it
+    (`data.skip_corrupt`: a warning); one found unreadable, or differing in a host's own copy,
+    stops the others with a line naming that process (`setting`, the config key and value of
+    the data, says where). Every process reaches each all-gather, whatever it
     finds. Call it on every process once `check_same_data` has passed: their datasets, and so
     their lists of shards, are the same."""
     shards = [(info, path, sha) for info in datasets for path, sha in info.checksums() if sha]
@@ -316,7 +334,11 @@ def verify_shards_together(
         return
     record, me = verified_shards(data), jax.process_index()
     stamps = [_stamp(path) for _, path, _ in shards]
-    shared_S, mine = _whose_shards(shards, stamps, record, me)
+    stamps_PxSx4, unchecked_PxS = _everyones_stamps(shards, stamps, record)
+    line = check_line(stamps_PxSx4, unchecked_PxS) if me == 0 else None
+    if line:  # one line for them all: process 0 has every process's stamps from the gather
+        print(line, file=sys.stderr)
+    shared_S, mine = shards_to_hash(stamps_PxSx4, unchecked_PxS, me)
     with ThreadPoolExecutor() as pool:  # hashlib releases the GIL
         hashed = dict(zip(mine, pool.map(lambda s: _hash(*shards[s]), mine), strict=True))
     found_S = [hashed.get(s, (NOT_HASHED, ""))[0] for s in range(len(shards))]
@@ -337,19 +359,17 @@ def verify_shards_together(
         raise ConfigError(data_not_opened(np.flatnonzero(failed_PxS.any(axis=1))[0], *setting))
 
 
-def _whose_shards(
-    shards: list[tuple[DatasetInfo, Path, str]],
-    stamps: list[Stamp],
-    record: VerifiedShards,
-    me: int,
-) -> tuple[np.ndarray, list[int]]:
-    """`shards_to_hash` of every process's stamps of `shards` and of those its `record` lacks."""
+def _everyones_stamps(
+    shards: list[tuple[DatasetInfo, Path, str]], stamps: list[Stamp], record: VerifiedShards
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every process's stamps of `shards`, and which of them its `record` lacks (what
+    `shards_to_hash` decides from)."""
     mine_Sx5 = [
         [*stamp, not record.known(path, stamp, sha)]
         for (_, path, sha), stamp in zip(shards, stamps, strict=True)
     ]
     everyone_PxSx5 = _gather_int64(np.array(mine_Sx5, np.int64))
-    return shards_to_hash(everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0, me)
+    return everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0
 
 
 def _stamp(path: Path) -> Stamp:
@@ -366,10 +386,7 @@ def _hash(info: DatasetInfo, path: Path, sha256: str) -> tuple[int, str]:
     try:
         return (MATCHES if sha256_of(path) == sha256 else DIFFERS), info.mismatch(path)
     except OSError as err:
-        return UNREADABLE, (
-            f"cannot read shard {path} to check it ({err.strerror or err}); repair that storage "
-            "or restore the shard (data.verify_checksums=false skips this)"
-        )
+        return UNREADABLE, info.unreadable(path, err)
 
 
 def _gather_int64(mine: np.ndarray) -> np.ndarray:
@@ -408,7 +425,7 @@ def memory_caches(
     data: DataConfig, infos: dict[str, DatasetInfo], reading: Reading
 ) -> dict[str, dict[str, MemorySource]]:
     """With `data.cache=memory`, every split of every dataset read into RAM (checksums were
-    verified by `load_dataset`, or are next, by `verify_shards_together`); a one-line error first
+    verified by `load_sources`, or are next, by `verify_shards_together`); a one-line error first
     when they do not fit in the memory this host has available."""
     if data.cache != "memory":
         return {name: {} for name in infos}
