@@ -365,7 +365,7 @@ def a_bug(*_args, **_kwargs) -> None:
 # (the call that fails, its stand-in, what the run raises, the start of its line)
 NO_DAMAGE = {
     "eio_reading_the_data_position": (
-        "trainer.checkpoint.data_checkpointing.restore_position",
+        "trainer.checkpoint.reading.data_checkpointing.restore_position",
         lambda *_args: eio_read(),
         TrainingError,
         "cannot read checkpoint {step} (Input/output error [EIO]); it is left in place, as are "
@@ -390,7 +390,7 @@ NO_DAMAGE = {
         Stopped,
         "SIGTERM",
     ),
-    "a_bug": ("trainer.checkpoint.param_shapes", a_bug, TypeError, "a bug in the restore"),
+    "a_bug": ("trainer.checkpoint.reading.param_shapes", a_bug, TypeError, "a bug in the restore"),
     "a_bug_inside_orbaxs_restore": (  # the step's files are intact: still a bug, not damage
         "orbax.checkpoint.StandardCheckpointHandler.restore",
         a_bug,

@@ -93,7 +93,7 @@ def test_a_failed_background_save_leaves_the_process_as_it_found_it(
     corpus, small_disk, monkeypatch
 ):
     # A library caller's process: while saves run, Orbax's failure logs are held back and its
-    # event loops drain (trainer/checkpoint.py); both end with the run, even a failed one.
+    # event loops drain (trainer/checkpoint/manager.py); both end with the run, even a failed one.
     policy, filters = asyncio.get_event_loop_policy(), list(logging.getLogger("absl").filters)
     disk = small_disk("2200k")
     monkeypatch.setattr(Checkpointer, "_check_free_space", lambda *args: None)

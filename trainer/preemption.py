@@ -51,7 +51,7 @@ class StopRequest:
     def at_step(self) -> bool:
         """Decide whether the step just run is the last one; call it exactly once per step on
         every process. With several, it is the only caller of JAX's sync point, whose count of
-        each process's latest step must never go back (`trainer.checkpoint._Manager` keeps
+        each process's latest step must never go back (`trainer.checkpoint.manager._Manager` keeps
         Orbax's away). The count is this session's steps, not the run's: JAX stops one past the
         furthest count, and counts 0 before the first question, so a notice during a resumed
         run's start-up named step 1, which a loop that starts at step 4 never reaches."""

@@ -341,9 +341,21 @@ def gather_rows(mine: np.ndarray) -> tuple[np.ndarray, int | None]:
     first process whose row differs from process 0's (None: all agree): one small all-gather."""
     from jax.experimental import multihost_utils
 
-    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    everyone = np.asarray(multihost_utils.process_allgather(mine))  # alone: `mine[None]`, no call
     unlike = (p for p in range(1, len(everyone)) if not np.array_equal(everyone[p], everyone[0]))
     return everyone, next(unlike, None)
+
+
+def stop_every_process_if(failure: Exception | None, elsewhere: Callable[[int], Exception]) -> None:
+    """Raise `failure` here, and on every other process `elsewhere(p)`, p the first process it
+    was raised on (one small all-gather): a process that stopped alone left the others waiting
+    in their next collective until JAX's coordination service aborted them."""
+    everyone, _ = gather_rows(np.array(int(failure is not None), np.int32))
+    failed = np.flatnonzero(everyone)
+    if failure is not None:
+        raise failure
+    if failed.size:
+        raise elsewhere(int(failed[0]))
 
 
 def check_same_config(config: Mapping[str, Any]) -> None:
@@ -447,10 +459,10 @@ def check_shared_workdir(workdir: str | os.PathLike, wait_s: float = 10.0) -> No
             f"process 0 cannot write run.workdir={workdir}{why}; choose a writable folder"
         )
     marker = Path(workdir) / f".written-by-process-0.{token}"
-    seen = np.asarray(multihost_utils.process_allgather(np.int32(_sees(marker, wait_s))))
+    seen, _ = gather_rows(np.array(_sees(marker, wait_s), np.int32))
     if jax.process_index() == 0:
         marker.unlink(missing_ok=True)
-    blind = [p for p, saw in enumerate(seen.reshape(-1)) if not saw]
+    blind = [p for p, saw in enumerate(seen) if not saw]
     if blind:
         raise ConfigError(
             f"run.workdir={workdir} is not one shared folder: process(es) "
