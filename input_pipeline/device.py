@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from input_pipeline.errors import DataError
+from input_pipeline.streams import close_readers
 
 _END = object()
 # How often a wait for a batch that has not come asks whether to give up (`next_unless`): a stop
@@ -228,15 +229,15 @@ class DeviceFeed:
     def close(self) -> None:
         """Stop the thread; wait for it, unless the feed was given up (`give_up`, or a wait in
         `next_unless` that a stop ended) while the thread is in the source: it then leaves once
-        the source returns. A Grain iterator is then closed here, its worker processes stopped
-        in order: left to the exit's finalizers, its stop raced its own threads' (a Grain
-        traceback after a data error)."""
+        the source returns. The readers behind the iterator are then closed here
+        (`close_readers`), Grain's worker processes stopped in order: left to the exit's
+        finalizers, their stop raced their own threads' (a Grain traceback after a data error)."""
         with self._phase:
             self._stop.set()  # no read starts after this
             in_source = self._reading
         self._thread.join(timeout=0 if in_source and self._given_up else 10)
-        if not self._thread.is_alive() and hasattr(self._iterator, "close_readers"):
-            self._iterator.close_readers()
+        if not self._thread.is_alive():
+            close_readers(self._iterator)
 
     def __enter__(self) -> DeviceFeed:
         return self

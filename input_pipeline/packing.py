@@ -43,6 +43,15 @@ def blank_batch(rows: int, seq_len: int) -> dict[str, np.ndarray]:
     return {name: np.zeros((rows, seq_len), dtype) for name, dtype in FIELDS.items()}
 
 
+def check_rows(seq_len: int, batch_size: int, max_docs_per_row: int | None) -> None:
+    """A `ValueError` for rows no packer can make: the check a library caller's packing
+    arguments get (a run's are checked as its config is read)."""
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+    if max_docs_per_row is not None and max_docs_per_row < 1:
+        raise ValueError(f"max_docs_per_row={max_docs_per_row} must be >= 1 (or None)")
+
+
 class ConcatPackIterDataset(grain.IterDataset):
     """Decoded records -> whole `[B, L]` batches of `FIELDS` (the batch contract, pipeline.py).
 
@@ -58,10 +67,7 @@ class ConcatPackIterDataset(grain.IterDataset):
         max_docs_per_row: int | None = None,
     ):
         super().__init__(parent)
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
-        if max_docs_per_row is not None and max_docs_per_row < 1:
-            raise ValueError(f"max_docs_per_row={max_docs_per_row} must be >= 1 (or None)")
+        check_rows(seq_len, batch_size, max_docs_per_row)
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.max_docs_per_row = max_docs_per_row

@@ -21,7 +21,7 @@ import numpy as np
 from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixture_sources
-from input_pipeline.packing import ConcatPackIterDataset
+from input_pipeline.packing import ConcatPackIterDataset, check_rows
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
 from input_pipeline.shares import EndOfShare, ShareUnreadable, UnreadableRecords, worker_share
@@ -88,9 +88,8 @@ class ReadRecords(grain.transforms.Map):
         self.total = None if num_epochs is None else self.host_records * num_epochs
         self._orders: dict[int, np.ndarray] = {}  # the latest epochs' permutations
         self.share = worker_share(self.host_records, per_read, workers, shuffle)
-        self.unreadable = UnreadableRecords(
-            self.host_records, f"{name} (data stream {host_index} of {host_count})", self.share
-        )
+        self.name = f"{name} (data stream {host_index} of {host_count})"  # what lines call it
+        self.unreadable = UnreadableRecords(self.host_records, self.name, self.share)
 
     @property
     def num_reads(self) -> int:
@@ -246,9 +245,7 @@ def arrayrecord_pairs(
     )
     if reads.host_records == 0 and reading.num_epochs is None:  # a finite pass may be empty
         raise DataError(
-            f"{info.path} {split} split has no records for data stream "
-            f"{reading.process_index} of {reading.process_count}; prepare more data or set a "
-            "lower data.streams"
+            f"{reads.name} has no records; prepare more data or set a lower data.streams"
         )
     # One read in flight per thread: Grain scans its buffer on every element, and each read
     # already holds many batches.
@@ -401,13 +398,11 @@ def check_packing(
     max_docs_per_row: int | None,
     concat_offset: str,
 ) -> None:
-    """One-line `DataError`s for packing arguments the chain cannot honour."""
-    if seq_len < 2 or batch_size < 1:
-        raise DataError(f"data.seq_len={seq_len} and batch size {batch_size} must be >= 2 and >= 1")
+    """One-line errors for packing arguments the chain cannot honour (`check_rows`: the rows'
+    shape, as either packer needs it)."""
+    check_rows(seq_len, batch_size, max_docs_per_row)
     if packing not in PACKING_MODES:
         raise DataError(f"data.packing={packing!r} is unknown; use one of {PACKING_MODES}")
-    if max_docs_per_row is not None and max_docs_per_row < 1:
-        raise DataError(f"data.max_docs_per_row={max_docs_per_row} must be >= 1")
     if concat_offset not in CONCAT_OFFSETS:
         raise DataError(
             f"data.concat_offset={concat_offset!r} is unknown; use one of {CONCAT_OFFSETS}"

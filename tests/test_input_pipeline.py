@@ -1,6 +1,7 @@
 """The data path: prepare -> ArrayRecord -> Grain chain -> packed batches -> device feed."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -175,6 +176,19 @@ def test_eval_pads_the_last_batch_instead_of_dropping_it(dataset):
     assert all(b["inputs"].shape == (8, 64) for b in batches)
 
 
+def test_a_stream_without_records_is_one_line_naming_it(dataset):
+    """More data streams than training records: the stream left without any says so, named as
+    the unreadable-records line names it (the split, then the stream)."""
+    records = dataset.num_records("train")
+    reading = Reading(process_index=records, process_count=records + 1)
+    said = (
+        f"{dataset.path} train split (data stream {records} of {records + 1}) has no records; "
+        "prepare more data or set a lower data.streams"
+    )
+    with pytest.raises(DataError, match=f"^{re.escape(said)}$"):
+        make_batch_iterator(dataset, "train", seq_len=32, batch_size=8, reading=reading)
+
+
 def test_device_feed_shards_batches_and_keeps_state(dataset):
     mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2, tensor=1))
     kw = dict(seq_len=32, batch_size=8, reading=Reading(seed=5))
@@ -201,6 +215,22 @@ def test_device_feed_reraises_host_errors():
         next(feed)
         with pytest.raises(DataError, match="corrupt"):
             next(feed)
+
+
+def test_device_feed_closes_a_callers_grain_iterator():
+    """A caller's Grain dataset (`trainer.run(data=..., eval_data=...)`) is iterated by the feed;
+    closing the feed closes that iterator, its worker processes stopped in order, as it does
+    our own pipeline's readers. Before: only our iterators' `close_readers` was called, so a
+    caller's Grain iterator was left open (to the exit's finalizers)."""
+    import grain
+
+    mesh = sharding.make_mesh(MeshConfig(data=-1))
+    rows = grain.MapDataset.range(100).map(lambda i: {"inputs": np.full((8, 4), i, np.int32)})
+    it = iter(rows.to_iter_dataset())
+    with DeviceFeed(it, sharding.batch_sharding(mesh)) as feed:
+        next(feed)
+    with pytest.raises(ValueError, match="closed"):
+        next(it)
 
 
 def test_device_feed_reraises_transfer_errors_in_order():

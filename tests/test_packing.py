@@ -467,6 +467,16 @@ def test_offset_pipeline_stopped_and_resumed_equals_one_read(dataset, stop, boun
         assert_same(a, b)
 
 
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_either_packer_refuses_rows_it_cannot_make(dataset, packing):
+    """One check of the rows' shape for both packers (`check_rows`), before anything is read."""
+    kw = dict(seq_len=64, batch_size=4, packing=packing)
+    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
+        make_batch_iterator(dataset, "train", **{**kw, "batch_size": 0})
+    with pytest.raises(ValueError, match="max_docs_per_row=0 must be >= 1"):
+        make_batch_iterator(dataset, "train", **kw, max_docs_per_row=0)
+
+
 def test_offset_needs_concat_packing_of_arrayrecord(dataset):
     with pytest.raises(DataError, match="data.concat_offset=random_per_epoch needs data.packing"):
         make_batch_iterator(

@@ -106,9 +106,7 @@ def check_cache_fits(generator: Generator, length: int) -> None:
 _MAX_POSITION = 2**31 - 1  # positions are int32 on the device
 
 
-def check_settings(
-    max_new_tokens: int, temperature: float, top_k, top_p: float, seed: int = 0
-) -> None:
+def check_settings(max_new_tokens: int, temperature: float, top_k, top_p: float, seed: int) -> None:
     """One line naming a sampling setting that would fail to compile or silently sample wrong
     (a negative temperature inverts the distribution; top-p 0 keeps no token)."""
     if max_new_tokens < 1:

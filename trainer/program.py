@@ -23,10 +23,9 @@ from trainer.parallel.state import (
     ModelSkeleton,
     TrainState,
     abstract_model,
-    abstract_state,
-    init_state,
     make_init_fn,
     state_shardings,
+    with_shardings,
 )
 from trainer.step import Batch, LossFn, StepSettings, eval_step, next_token_loss, train_step
 
@@ -48,11 +47,11 @@ class TrainProgram:
     def init(self) -> TrainState:
         """A fresh state, created directly in its sharded layout."""
         with jax.set_mesh(self.mesh):
-            return init_state(self.init_fn, self.shardings)
+            return jax.jit(self.init_fn, out_shardings=self.shardings)()
 
     def abstract_state(self) -> TrainState:
         """Shapes + target shardings: what a checkpoint restore writes into."""
-        return abstract_state(self.shardings, self.init_fn)
+        return with_shardings(jax.eval_shape(self.init_fn), self.shardings)
 
     def abstract_batch(
         self, rows: int, seq_len: int, fields: Mapping[str, type] = FIELDS

@@ -148,11 +148,6 @@ def with_shardings(shapes: PyTree, shardings: PyTree) -> PyTree:
     )
 
 
-def abstract_state(shardings: TrainState, init: Callable[[], TrainState]) -> TrainState:
-    """The whole state's restore target."""
-    return with_shardings(jax.eval_shape(init), shardings)
-
-
 def make_init_fn(
     build: Callable[..., nnx.Module],
     tx: optax.GradientTransformation,
@@ -175,8 +170,3 @@ def make_init_fn(
         )
 
     return init
-
-
-def init_state(init: Callable[[], TrainState], shardings: TrainState) -> TrainState:
-    """Materialize the initial state directly in its sharded layout."""
-    return jax.jit(init, out_shardings=shardings)()
