@@ -19,10 +19,12 @@ import orbax.checkpoint as ocp
 from input_pipeline.errors import DataError
 from input_pipeline.streams import (
     NEW_RUN,
+    DamagedPositionError,
     PositionMismatchError,
     StreamBatches,
     check_position,
     check_stream_state,
+    check_undamaged,
     is_stream_state,
 )
 
@@ -90,15 +92,35 @@ def resume_position(
     try:
         if isinstance(iterator, StreamBatches):
             check_position(position, {})  # ours is a mapping; null: a run that saved none
+            check_undamaged(position)
             if saved_config is not None:
                 check_same_order(saved_config, config)
         if position is not None:  # else none was saved: it starts from its first batch
             iterator.set_state(position)
+    except DamagedPositionError as err:
+        raise DataError(f"checkpoint {step_folder}: {damaged(step_folder, err)}") from None
     except PositionMismatchError as err:
         changed = changed_data(saved_config, config) if saved_config is not None else ""
         raise DataError(f"checkpoint {step_folder}{changed}: {err}") from None
     except DataError as err:
         raise DataError(f"checkpoint {step_folder}: {err}") from None
+
+
+def damaged(step_folder: Path, damage: DamagedPositionError) -> str:
+    """The line refusing a damaged data position: the file, the value, and the ways out (the
+    checkpoint before this one, or a new run from its weights)."""
+    step = step_folder.name
+    return (
+        f"its data position file {position_source(step_folder)} is damaged ({damage}); rename "
+        f"{step} to {step}.damaged to resume from the checkpoint before it, or {NEW_RUN}"
+    )
+
+
+def position_source(step_folder: Path) -> str:
+    """Where this process's data position was read from, inside the step folder: its own file,
+    or (saved on another process count) the data folder whose files were merged."""
+    own = Path("data") / position_file(jax.process_index(), jax.process_count())
+    return str(own) if (step_folder / own).exists() else "data/"
 
 
 def check_same_order(saved: dict[str, Any], now: dict[str, Any]) -> None:

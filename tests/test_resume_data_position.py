@@ -7,24 +7,30 @@ hand-garbled position file, ended in Grain's IndexError/KeyError/AttributeError 
 `null` one restarted the data from its first batch; another `data.shuffle`, `run.seed`,
 `data.concat_offset`, a first_fit `data.seq_len` or `data.global_batch_size`, or a mixture's
 `data.seq_len`, resumed in silence from a position that points elsewhere in the data; a mixture
-resumed with a smaller `data.global_batch_size` ended in an IndexError.
+resumed with a smaller `data.global_batch_size` ended in an IndexError. A value garbled inside
+the right layout (a negative count, an index past its list) ended in a traceback from Grain or the
+packer, or resumed elsewhere in silence; now one line says the position file is damaged.
 """
 
 import copy
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import TINY, same, take, tiny_cli
 from test_checkpoint import tfrecord_corpus  # noqa: F401 (a fixture)
 from test_mixture import mixture, prose  # noqa: F401 (prose: a fixture)
 
+from input_pipeline.checkpointing import resume_position
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import MixedStream, rows_per_read
 from input_pipeline.pipeline import make_batch_iterator
+from input_pipeline.streams import position_damage
 from trainer.config import load_config
+from trainer.data import dataset_sources
 from trainer.train import run
 
 SESSION = ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false", "log.every=1"]
@@ -225,3 +231,163 @@ def test_a_mixture_resumes_with_a_smaller_batch_size(corpus, prose, tmp_path, re
     )
     assert second.returncode == 0, second.stderr[-2000:]
     assert "finished at step 4" in second.stderr
+
+
+# A value garbled inside the right layout. Before: Grain's or the packer's traceback (IndexError,
+# ValueError, TypeError), or a silent resume from elsewhere in the data. Now: one line saying the
+# position file is damaged, naming the value and the ways out.
+def stream_iterator(*settings):
+    """A fresh train `StreamBatches` of the TINY config with `settings`, as a resume builds it."""
+    data = load_config(None, [*TINY, *settings])
+    return dataset_sources(data.data, seed=data.run.seed).train
+
+
+def position_after(batches, *settings):
+    """The train data position of a pipeline with `settings` after `batches` batches."""
+    iterator = stream_iterator(*settings)
+    try:
+        take(iterator, batches)
+        return copy.deepcopy(iterator.get_state())
+    finally:
+        iterator.close_readers()
+
+
+def with_value(position, path, value):
+    """`position` with the leaf at `path` (keys and list indices) set to `value`."""
+    position = copy.deepcopy(position)
+    node = position["positions"]["0"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return position
+
+
+def refusal(iterator, position, step_folder):
+    """`resume_position`'s line refusing `position`, or None where `iterator` resumed from it."""
+    try:
+        resume_position(iterator, position, step_folder, None, {})
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def resumed(position, *settings, step_folder):
+    """Resume a fresh pipeline with `settings` from `position`; the refusal's line, or None."""
+    iterator = stream_iterator(*settings)
+    try:
+        return refusal(iterator, position, step_folder)
+    finally:
+        iterator.close_readers()
+
+
+def variants(corpus, tfrecord_corpus, prose):  # noqa: F811
+    """Each pipeline variant's settings, by name."""
+    return {
+        "concat": [f"data.path={corpus}"],
+        "first_fit": [f"data.path={corpus}", "data.packing=first_fit"],
+        "tfrecord": [f"data.path={tfrecord_corpus}", "data.read_threads=4"],
+        "workers": [f"data.path={corpus}", "data.workers=2"],
+        "mixture": [mixture(corpus, prose)],
+    }
+
+
+BATCHES = ("batches",)
+INTERLEAVE = (*BATCHES, "parent", "parent_window_start_state")
+# (variant, path in stream 0's position, value, the field the line names); what each did before
+DAMAGED = [
+    ("concat", (*BATCHES, "parent", "next_index"), -1, "batches.parent.next_index"),  # IndexError
+    ("concat", (*BATCHES, "offset"), -1, "batches.offset"),  # ValueError in the packer
+    ("concat", (*BATCHES, "record"), -2, "batches.record"),  # silent: from the read's start
+    ("concat", (*BATCHES, "record"), 10**9, "batches.parent.next_index"),  # silent: a read skipped
+    ("first_fit", (*BATCHES, "counter"), -1, "batches.counter"),  # ValueError inside Grain
+    ("first_fit", (*BATCHES, "next_row"), -1, "batches.next_row"),  # silent
+    ("first_fit", (*BATCHES, "next_row"), 10**9, "batches.next_row"),  # ValueError in Grain
+    ("tfrecord", (*INTERLEAVE, "iterators_in_use_states", 0, "reader_offset"), -1, "reader_offset"),
+    ("tfrecord", (*INTERLEAVE, "iterators_in_use_indices", 1), 10**9, "use_indices[1]"),
+    ("tfrecord", (*INTERLEAVE, "next_index_in_cycle"), 9, "next_index_in_cycle"),  # IndexError
+    ("tfrecord", (*BATCHES, "parent", "window_index"), -1, "window_index"),  # TypeError
+    ("workers", (*BATCHES, "next_index_in_cycle"), 5, "batches.next_index_in_cycle"),
+    ("workers", (*BATCHES, "exhausted", 0), 7, "batches.exhausted[0]"),
+    ("workers", (*BATCHES, "next_index_in_datasets"), 3, "batches.next_index_in_datasets"),
+    ("mixture", ("taken", "code"), -1, "taken.code"),  # silent
+    ("mixture", ("tokens", "prose"), float("nan"), "tokens.prose"),  # silent
+]
+
+
+@pytest.mark.parametrize(("variant", "path", "value", "field"), DAMAGED)
+def test_a_value_no_run_writes_is_one_line_naming_the_file_and_field(
+    corpus,
+    tfrecord_corpus,  # noqa: F811
+    prose,  # noqa: F811
+    tmp_path,
+    variant,
+    path,
+    value,
+    field,
+):
+    settings = variants(corpus, tfrecord_corpus, prose)[variant]
+    position = with_value(position_after(3, *settings), path, value)
+    step_folder = tmp_path / "checkpoints" / "2"
+    line = resumed(position, *settings, step_folder=step_folder)
+    assert line is not None and "\n" not in line
+    assert line.startswith(f"checkpoint {step_folder}: its data position file data/ is damaged ")
+    assert f"(position.positions.0.{field}" in line or f"{field} " in line, line
+    assert "rename 2 to 2.damaged to resume from the checkpoint before it" in line
+    assert line.endswith(
+        "start a new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
+    )
+
+
+def test_a_stream_the_position_does_not_have_is_damage(saved_run, corpus, tmp_path):
+    """Before: a position of stream 5 in a run of 1 stream was ignored in silence."""
+    workdir = tmp_path / "run"
+    shutil.copytree(saved_run, workdir)
+    path = position_file(workdir)
+    position = json.loads(path.read_text())
+    position["positions"]["5"] = position["positions"]["0"]
+    path.write_text(json.dumps(position))
+    with pytest.raises(DataError) as error:
+        run(config(workdir, 4, f"data.path={corpus}"))
+    line = str(error.value)
+    step = workdir / "checkpoints" / "2"
+    assert line.startswith(
+        f"checkpoint {step}: its data position file data/{path.name} is damaged (position."
+        "positions has a stream '5', not one of 0..0); rename 2 to 2.damaged"
+    ), line
+
+
+def test_the_cli_refuses_a_damaged_value_with_exit_2(saved_run, corpus, tmp_path, repo_root):
+    """Before: a ValueError traceback from the packer, exit 1."""
+    workdir = tmp_path / "run"
+    shutil.copytree(saved_run, workdir)
+    path = position_file(workdir)
+    position = json.loads(path.read_text())
+    path.write_text(json.dumps(with_value(position, (*BATCHES, "offset"), -1)))
+    line = refused(cli(workdir, 4, f"data.path={corpus}", repo_root=repo_root))
+    assert f"data position file data/{path.name} is damaged" in line
+    assert "(position.positions.0.batches.offset is -1, not a count of 0 or more)" in line
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]  # kept
+
+
+@pytest.mark.parametrize("variant", ["concat", "first_fit", "tfrecord", "workers", "mixture"])
+def test_real_positions_are_not_called_damaged(corpus, tfrecord_corpus, prose, variant):  # noqa: F811
+    """Positions after 1 to 600 batches (past an epoch of the TFRecord corpus and the mixture's
+    prose) resume as saved, and go on with the batches that followed them."""
+    settings = variants(corpus, tfrecord_corpus, prose)[variant]
+    iterator = stream_iterator(*settings)
+    try:
+        done = 0
+        for batches in (1, 40, 600):
+            take(iterator, batches - done)
+            done = batches
+            position = copy.deepcopy(iterator.get_state())
+            assert position_damage(position) is None
+            again = stream_iterator(*settings)
+            try:
+                assert refusal(again, position, Path("2")) is None
+                assert same(next(again), next(iterator))
+                done += 1
+            finally:
+                again.close_readers()
+    finally:
+        iterator.close_readers()
