@@ -9,13 +9,20 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from input_pipeline.errors import DataError
-from input_pipeline.verified import Stamp, VerifiedShards, check_line, shared_stamp
+from input_pipeline.verified import (
+    PreparedShards,
+    Stamp,
+    VerifiedShards,
+    check_line,
+    shared_stamp,
+)
 
 INFO_FILE = "dataset.json"
 NULL_TEXTS = "null_texts_skipped"  # present only when prepare skipped some
@@ -74,6 +81,21 @@ class DatasetInfo:
             for name in self.raw.get("splits", {})
             for path, shard in zip(self.shard_paths(name), self.split(name)["shards"], strict=True)
         ]
+
+    @cached_property
+    def prepared(self) -> PreparedShards:
+        """`prepare`'s record of the stamps its shards had once written, with their sha256."""
+        return PreparedShards(self.path)
+
+    def checked(
+        self, path: Path, stamp: Stamp, sha256: str, verified: VerifiedShards | None
+    ) -> bool:
+        """Whether the shard at `path`, now `stamp`, is known to match `sha256` without reading
+        it: `verified` (this process's record) or prepare's holds it so unchanged since. Without
+        a record (`verified` None) every shard is read."""
+        if verified is None:
+            return False
+        return verified.known(path, stamp, sha256) or self.prepared.vouches(path, stamp, sha256)
 
     def mismatch(self, path: Path) -> str:
         """What is said of the shard at `path` whose bytes do not match their sha256."""
@@ -213,20 +235,19 @@ def verify_datasets(
 def _shards_to_check(
     datasets: Sequence[DatasetInfo], verified: VerifiedShards | None
 ) -> list[tuple[DatasetInfo, Path, str, Stamp]]:
-    """The shards of `datasets` with a recorded sha256 that `verified` does not hold unchanged
-    since they matched it, each with its dataset, sha256 and `shared_stamp`."""
+    """The shards of `datasets` with a recorded sha256 that neither `verified` nor prepare's
+    record holds unchanged since they matched it (`DatasetInfo.checked`), each with its
+    dataset, sha256 and `shared_stamp`."""
     shards = [
         (info, path, expected, shared_stamp(path))
         for info in datasets
         for path, expected in info.checksums()
         if expected  # a listing without any sha256 has nothing to check
     ]
-    if verified is None:
-        return shards
     return [
         (info, path, expected, stamp)
         for info, path, expected, stamp in shards
-        if not verified.known(path, stamp, expected)
+        if not info.checked(path, stamp, expected, verified)
     ]
 
 

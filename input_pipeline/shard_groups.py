@@ -8,6 +8,12 @@ that group keeps aside (`fallback`) until the merge knows whether any group foun
 
 A null text (document `None`) is skipped; each group counts its own (`null_texts` in `done.json`)
 and the merge adds them up, so the count is the same however the groups were written.
+
+`done.json` also holds each shard's inode, size and modification time once it was hashed
+(`WRITTEN`); the merge records a shard's `shared_stamp` at its final name for the trainer's
+shard check (`PreparedShards`) only where these are still the same: the move to that name
+changes only its change time. A group finished by a version without them gets no record: its
+shards are hashed at the first start, as before.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from input_pipeline.documents import Piece, piece_documents
 from input_pipeline.errors import DataError
 from input_pipeline.records import Codec, ShardSet, arrayrecord_codec, split_long
 from input_pipeline.tokenizers import ByteTokenizer, Tokenizer, tokenizer_from_file
+from input_pipeline.verified import Stamp, shared_stamp
 
 DONE_FILE = "done.json"
+WRITTEN = "written"  # a shard's inode, size and mtime_ns once hashed: done.json only
 ENCODE_BATCH = 256  # documents per tokenizer call
 SPLITS = ("train", "eval")
 EXTENSIONS = {"arrayrecord": ".arrayrecord", "tfrecord": ".tfrecord"}
@@ -175,8 +183,17 @@ def write_group(
             if on_document is not None:
                 on_document()
     manifest = writer.finish()
+    stamp_written(folder, manifest)
     write_json(folder / DONE_FILE, manifest)
     return manifest
+
+
+def stamp_written(folder: Path, manifest: dict[str, Any]) -> None:
+    """Each shard's inode number, size and modification time now that it is closed and hashed:
+    what its stamp must still hold at its final name for prepare to vouch for it."""
+    listings = [*manifest["splits"].values(), manifest.get("fallback", {"shards": []})]
+    for shard in (shard for listing in listings for shard in listing["shards"]):
+        shard[WRITTEN] = list(shared_stamp(folder / shard["file"])[:3])
 
 
 def group_folder(staging: Path, index: int) -> Path:
@@ -225,9 +242,12 @@ def run_file_group(task: tuple) -> int:
     return prepare_file_group(*task)
 
 
-def merge_groups(staging: Path, count: int, recipe: Recipe) -> tuple[dict[str, Any], int]:
+def merge_groups(
+    staging: Path, count: int, recipe: Recipe
+) -> tuple[dict[str, Any], int, dict[str, tuple[Stamp, str]]]:
     """Move every group's shards to their global names in `staging`; return the `splits` entry
-    of `dataset.json` and the number of null texts skipped. Safe to re-run after a kill: moved
+    of `dataset.json`, the number of null texts skipped, and the stamp and sha256 of each shard
+    unchanged since it was hashed (`final_stamp`), by name. Safe to re-run after a kill: moved
     files are found moved."""
     manifests = [finished(staging, i) for i in range(count)]
     missing = [i for i, m in enumerate(manifests) if m is None]
@@ -246,7 +266,7 @@ def merge_groups(staging: Path, count: int, recipe: Recipe) -> tuple[dict[str, A
         documents[split] += 1
         placed[split] += [(count - 1, shard) for shard in fallback["shards"]]
     extension = EXTENSIONS[recipe.format]
-    splits = {}
+    splits, stamps = {}, {}
     for split in SPLITS:
         if not documents[split]:
             continue
@@ -256,7 +276,19 @@ def merge_groups(staging: Path, count: int, recipe: Recipe) -> tuple[dict[str, A
             source = group_folder(staging, group) / shard["file"]
             if source.exists() or not (staging / name).exists():
                 os.replace(source, staging / name)
-            shards.append({**shard, "file": name})
+            shard = {**shard, "file": name}
+            stamp = final_stamp(staging / name, shard.pop(WRITTEN, None))
+            if stamp is not None:
+                stamps[name] = (stamp, shard["sha256"])
+            shards.append(shard)
         splits[split] = _split_entry(documents[split], shards)
     # a group finished by a version that did not count null texts has none listed
-    return splits, sum(manifest.get("null_texts", 0) for manifest in manifests)
+    return splits, sum(manifest.get("null_texts", 0) for manifest in manifests), stamps
+
+
+def final_stamp(shard: Path, written: list[int] | None) -> Stamp | None:
+    """The `shared_stamp` of `shard` at its final name, after its last rename (which changes its
+    change time), where its inode, size and modification time are still those it had when it
+    was hashed (`written`); else None, and the trainer hashes it."""
+    stamp = shared_stamp(shard)
+    return stamp if written is not None and list(stamp[:3]) == written else None

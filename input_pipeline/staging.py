@@ -4,8 +4,10 @@ worker processes, and the merge that publishes the dataset atomically.
 `.<output>.partial/` holds `plan.json` (inputs, options and groups: a re-run with the same plan
 resumes, parts check they agree), `tokenizer.model` when SentencePiece is used, and one
 `group-NNNNN/` folder per group, finished when its `done.json` exists. The merge moves the shards
-to their global names, writes `dataset.json` (with `null_texts_skipped`, the documents left out
-for a null text, when there were any), and renames the folder to the output.
+to their global names, records each one's stamp there with its sha256 (`PreparedShards`: a first
+start of the trainer hashes none that is unchanged since), writes `dataset.json` (with
+`null_texts_skipped`, the documents left out for a null text, when there were any), and renames
+the folder to the output (which leaves the files in it as they are).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from input_pipeline.tokenizers import (
     Tokenizer,
     make_tokenizer,
 )
+from input_pipeline.verified import PreparedShards
 
 PLAN_FILE = "plan.json"
 MERGE_LOCK = "merging"
@@ -177,7 +180,7 @@ def finish(
     staging: Path, output: Path, count: int, recipe: Recipe, tok: Tokenizer, overwrite: bool
 ) -> None:
     """Merge the finished groups into one dataset and publish it atomically."""
-    splits, null_texts = merge_groups(staging, count, recipe)
+    splits, null_texts, stamps = merge_groups(staging, count, recipe)
     nulls = f" ({null_texts} skipped for a null text)" if null_texts else ""
     train = splits.get("train", {})
     if not train.get("records"):
@@ -207,6 +210,7 @@ def finish(
     }
     if null_texts:  # absent when none: a clean corpus's dataset.json (and fingerprint) as before
         info[NULL_TEXTS] = null_texts
+    PreparedShards.write(staging, stamps)  # the shards are in place: no rename touches them now
     write_json(staging / INFO_FILE, info)
     for i in range(count):
         shutil.rmtree(group_folder(staging, i), ignore_errors=True)

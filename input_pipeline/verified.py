@@ -9,10 +9,10 @@ Processes that start together read each shard once among them where they read th
 shared storage (NFS and Lustre give each client the server's inode number and times), so one
 process's hash of it holds for all. Separate copies made by copying tools differ in their change
 times. A disk image cloned to every host does not: its copies look shared, and each host hashes
-only its share of its own copy. Every shard of the image is still checked, on one host's copy;
-bytes that differ on another host's copy without a change of its stamp (damaged in the cloning,
-or on that disk since) are caught only as they are read (ArrayRecord chunk and TFRecord record
-checksums), as on a restart that trusts this record.
+only its share of its own copy (none, where the image holds the shards as prepare left them:
+`PreparedShards` vouches for them). Bytes that differ on a host's copy without a change of its
+stamp (damaged in the cloning, or on that disk since) are caught only as they are read
+(ArrayRecord chunk and TFRecord record checksums), as on a restart that trusts this record.
 
 Each process keeps its own record, named by its process index (`record_file`): the default cache
 folder is in the home folder, which most clusters share among hosts, and one file saved whole by
@@ -22,7 +22,14 @@ pod of another name. The stamps leave out the device number: an NFS mount's is n
 client as it mounts, so another host, or the same one after a reboot, would find none alike. A
 record from before these files were per process (`verified-shards.json`) is not read: the first
 start after the upgrade checks every shard once. Two runs started at once on one cache folder
-write the same records: each save keeps what the other saved meanwhile (`VerifiedShards.save`)."""
+write the same records: each save keeps what the other saved meanwhile (`VerifiedShards.save`).
+
+`prepare` leaves a record of its own in the dataset folder (`PreparedShards`): the stamp each
+shard got once it reached its final name, with the sha256 prepare read back from it. A first
+start trusts a shard whose stamp is still that one as a restart trusts its own record, so a
+dataset just prepared is not read again; a copy (`cp -a` gives each file another inode and
+change time), a shard written or touched since, or a dataset prepared before this record existed
+is hashed as before."""
 
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ def record_file(cache_dir: Path, process: int) -> Path:
 
 
 Stamp = tuple[int, int, int, int]  # `shared_stamp`: inode number, size, mtime_ns, ctime_ns
+PREPARED_FILE = "prepared-shards.json"  # `PreparedShards`, in the dataset folder
 
 
 def shared_stamp(path: str | Path) -> Stamp:
@@ -153,6 +161,31 @@ class VerifiedShards:
             if entry != ours and _still_current(path, entry) and not _still_current(path, ours):
                 merged[path] = entry
         return merged
+
+
+class PreparedShards:
+    """`prepare`'s record in the dataset folder `dataset` (`PREPARED_FILE`): each shard's
+    `shared_stamp` once it had its final name, and the sha256 prepare read back from its bytes,
+    by its name in the dataset's listing. Kept out of `dataset.json`, which says what the data
+    is: its fingerprint stays the same for the same data prepared again, or on another host.
+    A record missing or unreadable vouches for nothing: the shards are hashed, which is only
+    slower."""
+
+    def __init__(self, dataset: Path):
+        self.dataset = dataset
+        self._entries = _read_entries(dataset / PREPARED_FILE)
+
+    def vouches(self, path: str | Path, stamp: Stamp, sha256: str) -> bool:
+        """Whether prepare read `sha256` from the shard at `path` when it had `stamp`, as it
+        still has."""
+        name = Path(path).relative_to(self.dataset).as_posix()
+        return self._entries.get(name) == [_stored(stamp), sha256]
+
+    @staticmethod
+    def write(folder: Path, shards: dict[str, tuple[Stamp, str]]) -> None:
+        """Record `shards` (name: stamp, sha256) in the dataset folder `folder`."""
+        entries = {name: [_stored(stamp), sha] for name, (stamp, sha) in shards.items()}
+        write_json(folder / PREPARED_FILE, entries, indent=None)
 
 
 def _stored(stamp: Stamp) -> str:

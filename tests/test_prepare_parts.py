@@ -152,6 +152,7 @@ def test_parts_share_one_trained_sentencepiece_model(tmp_path):
     assert info["vocab_size"] == 300 and info["splits"]["eval"]["documents"] >= 1
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("train", "eval"))) == [
         "dataset.json",
+        "prepared-shards.json",
         "tokenizer.model",
     ]
 
@@ -246,3 +247,46 @@ def test_null_texts_are_counted_across_workers_groups_and_parts(tmp_path, capsys
         info = json.loads((tmp_path / name / "dataset.json").read_text())
         assert info["null_texts_skipped"] == nulls
         assert records_of(tmp_path / name) == expected  # nothing else changed
+
+
+def test_the_merge_records_the_final_stamp_of_each_shard_unchanged_since_its_hash(tmp_path):
+    """The trainer's first start skips the shards whose stamp is still the one prepare recorded
+    (`PreparedShards`); the merge records it after each shard's last rename, and only for a
+    shard whose inode, size and modification time are those it had when its group hashed it:
+    not one written since in the staging folder, nor one of a group finished by a version that
+    did not note them."""
+    from input_pipeline.dataset_info import load_dataset_info
+    from input_pipeline.shard_groups import WRITTEN
+    from input_pipeline.verified import PREPARED_FILE, shared_stamp
+
+    write_corpus(tmp_path / "corpus")
+    output = tmp_path / "out"
+    assert (
+        prepare_main(cli(tmp_path / "corpus", output, "--num-parts", "2", "--part", "0")[3:]) == 0
+    )
+    staging = tmp_path / ".out.partial"
+    groups = sorted(staging.glob("group-*/done.json"))
+    assert len(groups) >= 2
+    manifests = [json.loads(done.read_text()) for done in groups[:2]]
+    touched, old = (
+        [s for split in m["splits"].values() for s in split["shards"]] for m in manifests
+    )
+    first = groups[0].parent / touched[0]["file"]
+    os.utime(first, ns=(first.stat().st_atime_ns, first.stat().st_mtime_ns + 10**9))
+    for split in manifests[1]["splits"].values():
+        for shard in split["shards"]:
+            del shard[WRITTEN]
+    groups[1].write_text(json.dumps(manifests[1]))
+
+    assert (
+        prepare_main(cli(tmp_path / "corpus", output, "--num-parts", "2", "--part", "1")[3:]) == 0
+    )
+    record = json.loads((output / PREPARED_FILE).read_text())
+    checksums = load_dataset_info(output).checksums()
+    unrecorded = {shard["sha256"] for shard in [touched[0], *old]}
+    assert record == {
+        path.name: [":".join(map(str, shared_stamp(path))), sha]
+        for path, sha in checksums
+        if sha not in unrecorded
+    }
+    assert len(record) == len(checksums) - 1 - len(old) > 0

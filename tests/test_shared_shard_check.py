@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import flipped_copy
 from test_multihost import on_two_hosts, on_two_joined_processes, started_on_two_hosts
+from test_verified_shards import prepare_small, touch
 
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.verified import check_line, record_file, shards_to_hash, shared_stamp, size_text
@@ -252,6 +253,33 @@ def test_processes_sharing_the_shards_hash_each_once_and_both_stop_on_a_damaged_
     assert own_0[1] == own_1[1] == names
     assert own_0[2] == [said_first(own[0], own_copies=True), "passed"]
     assert own_1[2] == ["passed"]
+
+
+def test_processes_started_after_prepare_hash_no_shard_it_left_unchanged(tmp_path, repo_root):
+    """Both processes of a first start on a dataset just prepared on their shared storage: each
+    finds every shard with the stamp prepare recorded, so nothing is read and nothing said. A
+    shard touched since is hashed once, by one of them."""
+    fresh, touched = (prepare_small(tmp_path / name) for name in ("fresh", "touched"))
+    shard = all_shards(touched)[0]
+    touch(shard)
+    script, said = tmp_path / "check.py", [tmp_path / f"said{p}.txt" for p in range(2)]
+    script.write_text(CHECK_TOGETHER)
+    statuses, printed = on_two_joined_processes(
+        repo_root,
+        [
+            [str(script), str(said[p]), str(tmp_path / f"caches{p}"), str(fresh), str(touched)]
+            for p in (0, 1)
+        ],
+        devices=1,
+    )
+    assert statuses == [0, 0], printed
+    (fresh_0, touched_0), (fresh_1, touched_1) = map(checks_of, said)
+    assert fresh_0 == fresh_1 == ("fresh", set(), ["passed"])
+    assert touched_0[1] | touched_1[1] == {shard.name}, (touched_0, touched_1)
+    assert not touched_0[1] & touched_1[1]
+    size = f"{shard.stat().st_size / 1e3:.1f} kB"
+    assert touched_0[2][0].startswith(f"checking the sha256 of 1 shard ({size}) before training")
+    assert touched_0[2][1:] == touched_1[2] == ["passed"]
 
 
 def test_a_damaged_shared_shard_stops_both_runs_with_one_line(tmp_path, corpus, repo_root):

@@ -217,7 +217,8 @@ def test_prepare_cli_writes_tfrecord(tmp_path, capsys):
     info = load_dataset_info(out)
     assert info.format == "tfrecord" and info.num_records("train") == 2
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["dataset.json", *(f"train-0000{i}-of-00002.tfrecord" for i in range(2))]
+    shards = [f"train-0000{i}-of-00002.tfrecord" for i in range(2)]
+    assert names == ["dataset.json", "prepared-shards.json", *shards]
     assert "error" not in capsys.readouterr().err
 
 

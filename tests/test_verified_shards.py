@@ -6,15 +6,20 @@ import errno
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
+from conftest import TINY
 
 import input_pipeline.dataset_info as dataset_info
+import trainer.data
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
-from input_pipeline.verified import VerifiedShards, record_file, shared_stamp
+from input_pipeline.prepare import prepare_dataset
+from input_pipeline.verified import PREPARED_FILE, VerifiedShards, record_file, shared_stamp
 from trainer.config import load_config
 from trainer.data import load_dataset, load_sources, train_reading
+from trainer.train import run as train
 
 
 @pytest.fixture
@@ -28,7 +33,19 @@ def hashed(monkeypatch) -> list[str]:
         return real(path)
 
     monkeypatch.setattr(dataset_info, "sha256_of", counting)
+    monkeypatch.setattr(trainer.data, "sha256_of", counting)  # a check shared among processes
     return names
+
+
+def prepare_small(folder):
+    """A small dataset prepared into `folder` now, untouched since."""
+    texts = [f"def f{i}(x):\n    return x + {i}\n" * (5 + i % 20) for i in range(240)]
+    return prepare_dataset(texts, folder, eval_fraction=0.1, progress=False)
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    return prepare_small(tmp_path / "prepared")
 
 
 @pytest.fixture
@@ -238,3 +255,93 @@ def test_a_shard_the_storage_cannot_read_is_one_line_and_the_others_are_recorded
     )
     entries = json.loads(record_file(tmp_path / "cache", 0).read_text())
     assert {os.path.basename(path) for path in entries} == set(shards_of(copy)) - {failing.name}
+
+
+# ----------------------------------------------------------------------------- after prepare
+
+
+def start(dataset, tmp_path) -> None:
+    """What a start checks of `dataset`, with a record of its own (none yet)."""
+    load_dataset(load_config(None, [f"data.path={dataset}", f"data.cache_dir={tmp_path}"]).data)
+
+
+def test_the_first_training_after_prepare_reads_no_shard_prepare_hashed(
+    prepared, tmp_path, hashed, capsys
+):
+    """prepare reads every shard back for its sha256; the first start read them all again (an
+    hour over 472 GB on NFS before step 1). It now trusts the shards whose stamp is still the
+    one prepare recorded, as a restart trusts its own record."""
+    capsys.readouterr()
+    config = load_config(
+        None,
+        [
+            *TINY,
+            f"data.path={prepared}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"run.workdir={tmp_path / 'run'}",
+            "run.steps=2",
+            "checkpoint.every=100",
+            "eval.every=100",
+        ],
+    )
+    train(config)
+    assert hashed == []
+    assert "checking the sha256" not in capsys.readouterr().err
+
+
+def test_a_shard_touched_or_rewritten_after_prepare_is_read_and_a_changed_one_refused(
+    prepared, tmp_path, hashed, capsys
+):
+    touched, changed = (prepared / name for name in shards_of(prepared)[:2])
+    touch(touched)
+    capsys.readouterr()
+    start(prepared, tmp_path / "cache")
+    assert hashed == [touched.name]
+    assert capsys.readouterr().err == check_said(f"1 shard ({touched.stat().st_size / 1e3:.1f} kB)")
+    data = bytearray(changed.read_bytes())
+    data[-100] ^= 0xFF  # one byte, in place: the same file, the same size
+    with changed.open("r+b") as f:
+        f.write(data)
+    touch(changed)  # a write within the clock tick of the last change may keep the times
+    with pytest.raises(DataError, match=f"shard {changed} does not match the checksum"):
+        start(prepared, tmp_path / "cache")
+    assert hashed == [touched.name, changed.name]
+
+
+def test_a_copy_of_a_prepared_dataset_is_read(prepared, tmp_path, hashed):
+    """`cp -a` keeps the modification times, not the inode numbers or change times: a copy may
+    differ from what prepare read, so each of its shards is read."""
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(prepared), str(copy)], check=True)
+    assert (copy / PREPARED_FILE).exists()
+    start(copy, tmp_path / "cache")
+    assert sorted(hashed) == sorted(shards_of(copy))
+
+
+@pytest.mark.parametrize("record", [None, "not json", "[]", '{"train-00000": ["0:0:0:0"]}'])
+def test_a_dataset_prepared_without_a_record_of_stamps_is_read_as_before(
+    prepared, tmp_path, hashed, capsys, record
+):
+    """A dataset prepared before prepare recorded the stamps (its dataset.json is as it was),
+    or with that record damaged: every shard is read, after the line saying so."""
+    if record is None:
+        (prepared / PREPARED_FILE).unlink()
+    else:
+        (prepared / PREPARED_FILE).write_text(record)
+    capsys.readouterr()
+    start(prepared, tmp_path / "cache")
+    assert sorted(hashed) == sorted(shards_of(prepared))
+    said = f"{len(shards_of(prepared))} shards ({bytes_of(prepared) / 1e6:.1f} MB)"
+    assert capsys.readouterr().err == check_said(said)
+
+
+def test_prepare_records_each_shards_final_stamp_and_leaves_dataset_json_as_it_was(prepared):
+    """The record is taken after each shard's last rename; dataset.json lists no stamp, so the
+    same data prepared again (or on another host) keeps its fingerprint."""
+    record = json.loads((prepared / PREPARED_FILE).read_text())
+    info = load_dataset_info(prepared)
+    assert record == {
+        path.name: [":".join(map(str, shared_stamp(path))), sha] for path, sha in info.checksums()
+    }
+    listed = [shard for split in info.raw["splits"].values() for shard in split["shards"]]
+    assert {key for shard in listed for key in shard} == {"file", "records", "tokens", "sha256"}

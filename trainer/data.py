@@ -362,11 +362,12 @@ def verify_shards_together(
 def _everyones_stamps(
     shards: list[tuple[DatasetInfo, Path, str]], stamps: list[Stamp], record: VerifiedShards
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Every process's stamps of `shards`, and which of them its `record` lacks (what
-    `shards_to_hash` decides from)."""
+    """Every process's stamps of `shards`, and which of them neither its `record` nor prepare's
+    holds unchanged since they matched (`DatasetInfo.checked`: what `shards_to_hash` decides
+    from). Each process compares its own view: host-local copies are not prepare's files."""
     mine_Sx5 = [
-        [*stamp, not record.known(path, stamp, sha)]
-        for (_, path, sha), stamp in zip(shards, stamps, strict=True)
+        [*stamp, not info.checked(path, stamp, sha, record)]
+        for (info, path, sha), stamp in zip(shards, stamps, strict=True)
     ]
     everyone_PxSx5 = _gather_int64(np.array(mine_Sx5, np.int64))
     return everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0
