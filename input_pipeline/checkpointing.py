@@ -17,16 +17,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from input_pipeline.errors import DataError
-from input_pipeline.streams import (
+from input_pipeline.positions import (
     NEW_RUN,
     DamagedPositionError,
     PositionMismatchError,
-    StreamBatches,
     check_position,
     check_stream_state,
     check_undamaged,
     is_stream_state,
 )
+from input_pipeline.streams import StreamBatches
 
 
 def position_file(process_index: int | str, process_count: int | str) -> str:

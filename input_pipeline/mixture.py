@@ -19,7 +19,8 @@ import numpy as np
 
 from input_pipeline.device import in_own_memory
 from input_pipeline.errors import DataError
-from input_pipeline.streams import NEW_RUN, check_position, close_readers
+from input_pipeline.positions import NEW_RUN, check_position
+from input_pipeline.streams import close_readers
 
 Batch = dict[str, np.ndarray]
 

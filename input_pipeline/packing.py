@@ -26,6 +26,8 @@ from typing import Any
 import grain
 import numpy as np
 
+from input_pipeline.positions import DamagedPositionError
+
 # {"inputs", "targets"}: a document's next-token pairs, any integer dtype (widened to int32 as
 # they are copied into the batch, so a reader can hand over views of the stored narrow tokens).
 Record = Mapping[str, np.ndarray]
@@ -213,7 +215,23 @@ class ConcatPackIterator(grain.DatasetIterator):
             except StopIteration:
                 raise ValueError(f"{self}: the data ended before the saved position") from None
             self._set_element(element, state["parent"])
-            self._record, self._offset = state["record"], state["offset"]
+            self._record, self._offset = self._inside_element(state["record"], state["offset"])
+
+    def _inside_element(self, record: int, offset: int) -> tuple[int, int]:
+        """A saved record and offset, once checked to point inside the element just re-read: one
+        past it would be moved on from in silence, to the next record or element."""
+        if not 0 <= record < len(self._element):
+            raise DamagedPositionError(
+                f"the concat packer's record is {record}, not one of the {len(self._element)} "
+                "records of its read"
+            )
+        pairs = len(self._element[record]["inputs"])
+        if not 0 <= offset < max(pairs, 1):  # a record with no pairs is at offset 0
+            raise DamagedPositionError(
+                f"the concat packer's offset is {offset}, not inside the {pairs} pairs of its "
+                "record"
+            )
+        return record, offset
 
     def __str__(self) -> str:
         return f"ConcatPackIterator(batch={self._shape}, max_docs_per_row={self._max_pieces})"

@@ -22,10 +22,10 @@ from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixture_sources
 from input_pipeline.packing import ConcatPackIterDataset, check_rows
+from input_pipeline.positions import NEW_RUN, check_position
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
 from input_pipeline.shares import EndOfShare, ShareUnreadable, UnreadableRecords, worker_share
-from input_pipeline.streams import NEW_RUN, check_position
 from input_pipeline.tfdata import tfdata_records
 from input_pipeline.tfrecords import READERS, grain_records, host_shards
 from input_pipeline.workers import host_only_worker

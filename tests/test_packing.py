@@ -13,6 +13,7 @@ from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.packing import ConcatPackIterDataset
 from input_pipeline.pipeline import FEATURES, ReadRecords, make_batch_iterator, padded_batches
+from input_pipeline.positions import DamagedPositionError
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord
@@ -144,6 +145,30 @@ def test_state_at_the_end_of_the_data_stays_at_the_end(records):
     fresh.set_state(json.loads(json.dumps(it.get_state())))
     with pytest.raises(StopIteration):
         next(fresh)
+
+
+@pytest.mark.parametrize(("field", "past"), [("record", 4), ("offset", 10**6)])
+def test_a_saved_record_or_offset_past_its_read_is_damage(records, field, past):
+    """Before: the packer moved on to the next record or read in silence."""
+    elements = in_reads(records, 4)
+    it = packed(elements, 50, 3)
+    next(it)
+    state = {**it.get_state(), field: past}
+    with pytest.raises(DamagedPositionError, match=f"the concat packer's {field} is {past}, not"):
+        packed(elements, 50, 3).set_state(state)
+
+
+def test_a_record_with_no_pairs_resumes_at_its_offset_0():
+    """A batch that ends with its record leaves the next one at offset 0, pairs or none."""
+    pairs = [16, 0, 20]  # the first fills one batch of 2 rows of 8 exactly
+    element = [{"inputs": np.arange(n), "targets": np.arange(n) + 1} for n in pairs]
+    it = packed([element], 8, 2)
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert (state["record"], state["offset"]) == (1, 0)
+    fresh = packed([element], 8, 2)
+    fresh.set_state(state)
+    assert_same(next(fresh), next(it))
 
 
 def resumed_batches(dataset, **kw) -> list[dict]:

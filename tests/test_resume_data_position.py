@@ -28,7 +28,7 @@ from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import MixedStream, rows_per_read
 from input_pipeline.pipeline import make_batch_iterator
-from input_pipeline.streams import position_damage
+from input_pipeline.positions import DamagedPositionError, position_damage
 from trainer.config import load_config
 from trainer.data import dataset_sources
 from trainer.train import run
@@ -293,12 +293,14 @@ def variants(corpus, tfrecord_corpus, prose):  # noqa: F811
 
 BATCHES = ("batches",)
 INTERLEAVE = (*BATCHES, "parent", "parent_window_start_state")
+SOURCE = ("sources", "code", "position", *BATCHES)  # a mixture: its source code's packer
 # (variant, path in stream 0's position, value, the field the line names); what each did before
 DAMAGED = [
     ("concat", (*BATCHES, "parent", "next_index"), -1, "batches.parent.next_index"),  # IndexError
     ("concat", (*BATCHES, "offset"), -1, "batches.offset"),  # ValueError in the packer
     ("concat", (*BATCHES, "record"), -2, "batches.record"),  # silent: from the read's start
-    ("concat", (*BATCHES, "record"), 10**9, "batches.parent.next_index"),  # silent: a read skipped
+    ("concat", (*BATCHES, "record"), 10**9, "the concat packer's record"),  # silent: a read skipped
+    ("concat", (*BATCHES, "offset"), 10**9, "the concat packer's offset"),  # silent: rest skipped
     ("first_fit", (*BATCHES, "counter"), -1, "batches.counter"),  # ValueError inside Grain
     ("first_fit", (*BATCHES, "next_row"), -1, "batches.next_row"),  # silent
     ("first_fit", (*BATCHES, "next_row"), 10**9, "batches.next_row"),  # ValueError in Grain
@@ -311,6 +313,8 @@ DAMAGED = [
     ("workers", (*BATCHES, "next_index_in_datasets"), 3, "batches.next_index_in_datasets"),
     ("mixture", ("taken", "code"), -1, "taken.code"),  # silent
     ("mixture", ("tokens", "prose"), float("nan"), "tokens.prose"),  # silent
+    ("mixture", (*SOURCE, "record"), 10**9, "the concat packer's record"),  # silent
+    ("mixture", (*SOURCE, "offset"), 10**9, "the concat packer's offset"),  # silent
 ]
 
 
@@ -336,6 +340,26 @@ def test_a_value_no_run_writes_is_one_line_naming_the_file_and_field(
     assert line.endswith(
         "start a new run.workdir whose checkpoint.init_from is this one (it keeps the weights)"
     )
+
+
+WORKER = (*BATCHES, "iterators_in_use_states", 0)  # data.workers: worker 0's packer
+
+
+@pytest.mark.parametrize("field", ["record", "offset"])
+def test_a_worker_says_its_damaged_packer_position_at_its_first_batch(corpus, field):
+    """Grain's workers set their packers' positions once they start, so a record or offset past
+    its read is not seen by the resume: the damaged worker's first batch raises, naming the value
+    (before: that worker moved on to the next record or read in silence)."""
+    settings = [f"data.path={corpus}", "data.workers=2"]
+    position = with_value(position_after(3, *settings), (*WORKER, field), 10**9)
+    iterator = stream_iterator(*settings)
+    try:
+        assert refusal(iterator, position, Path("2")) is None
+        damage = f"the concat packer's {field} is {10**9}"
+        with pytest.raises(DamagedPositionError, match=damage):
+            take(iterator, 4)  # every worker's batch
+    finally:
+        iterator.close_readers()
 
 
 def test_a_stream_the_position_does_not_have_is_damage(saved_run, corpus, tmp_path):
