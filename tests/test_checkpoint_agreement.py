@@ -17,6 +17,7 @@ import errno
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -26,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig
-from trainer.errors import TrainingError
+from trainer.errors import ConfigError, TrainingError
 from trainer.parallel.distributed import cluster_from_env, initialize
 from trainer.parallel.state import TrainState
 
@@ -52,14 +53,16 @@ def no_room_here(real, where):
     return lambda path: empty if Path(path) == where else real(path)
 
 
-def refused_here(real):
-    # A folder that process 0 alone fails to make (a quota, a permission).
-    def mkdir(path, *args, **kwargs):
-        if Path(path) == folder:
+def refused_here(real, keyword=None):
+    # A folder that one process alone fails to make or write in (a quota, a permission): the
+    # path is the first argument, or the argument `keyword`.
+    def refusing(*args, **kwargs):
+        path = kwargs.get(keyword) if keyword else args[0]
+        if path is not None and Path(path) == folder:
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real(path, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    return mkdir
+    return refusing
 
 
 try:
@@ -96,6 +99,15 @@ try:
         finally:
             checkpointer.close()
         print("saved step 1", file=said)
+    elif case == "save_not_writable":
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        if here == 1:
+            tempfile.TemporaryFile = refused_here(tempfile.TemporaryFile, keyword="dir")
+        try:
+            checkpointer.save(1, state, None, meta)
+        finally:
+            checkpointer.close()
+        print("saved step 1", file=said)
     elif case == "restore_listed_late":  # a resume whose host lists the newest step late
         checkpointer = Checkpointer(folder, CheckpointConfig())
         for saved in (1, 2):
@@ -111,12 +123,28 @@ try:
             print(f"newest {newest}, read step {read}", file=said)
         finally:
             checkpointer.close()
+    elif case == "init_from_hf":  # a Hugging Face folder that process 1's host lacks
+        from types import SimpleNamespace
+
+        from trainer.train import init_from
+
+        def load_params(path, target):
+            if here == 1:
+                raise ConfigError(f"hf:{path} has no *.safetensors files; download the weights")
+            return target
+
+        program = SimpleNamespace(
+            mesh=replicated.mesh, abstract_state=lambda: state, init=lambda: state
+        )
+        spec = SimpleNamespace(hf=SimpleNamespace(load_params=load_params))
+        init_from(f"hf:{folder.parent / 'hf'}", program, spec)
+        print("loaded", file=said)
     elif case == "create":
         if here == 0:
             os.mkdir = refused_here(os.mkdir)
         Checkpointer(folder, CheckpointConfig()).close()
         print("created", file=said)
-except TrainingError as err:
+except (ConfigError, TrainingError) as err:
     print(f"error: {err}", file=said)
 print("folder: " + ("there" if folder.exists() else "absent"), file=said)
 """
@@ -199,8 +227,32 @@ def test_a_warm_up_one_process_finds_no_room_for_is_skipped_on_every_process(tmp
 @pytest.mark.slow
 def test_a_save_one_process_finds_no_room_for_stops_every_process_in_one_line(tmp_path, repo_root):
     """Before: process 1 refused the save alone while process 0 started it, and waited at
-    Orbax's first save barrier."""
+    Orbax's first save barrier; then process 0's line said to check the mount and permissions
+    of a disk that was full."""
     said, printed = on_two_processes(tmp_path, repo_root, "save")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            f"error: process 1 found no room for the save of step 1 in checkpoint folder {folder} "
+            "(its own log says how much it needs); nothing in it was changed: free space there, "
+            "lower checkpoint.keep, or point run.workdir at a larger disk",
+            "folder: there",
+        ],
+        [
+            f"error: checkpoint folder {folder} has 0.0 MB free but the save of step 1 needs "
+            "about 0.0 MB; free space there, lower checkpoint.keep, or point run.workdir at a "
+            "larger disk",
+            "folder: there",
+        ],
+    ], printed
+
+
+@pytest.mark.slow
+def test_a_save_into_a_folder_one_process_cannot_write_stops_every_process_in_one_line(
+    tmp_path, repo_root
+):
+    """The others' line fits the kind of problem: here the folder's permissions, not its space."""
+    said, printed = on_two_processes(tmp_path, repo_root, "save_not_writable")
     folder = tmp_path / "run" / "checkpoints"
     assert said == [
         [
@@ -208,9 +260,8 @@ def test_a_save_one_process_finds_no_room_for_stops_every_process_in_one_line(tm
             "folder: there",
         ],
         [
-            f"error: checkpoint folder {folder} has 0.0 MB free but the save of step 1 needs "
-            "about 0.0 MB; free space there, lower checkpoint.keep, or point run.workdir at a "
-            "larger disk",
+            f"error: checkpoint folder {folder} is not writable (Permission denied) while saving "
+            "step 1; fix the permissions there, or point run.workdir elsewhere",
             "folder: there",
         ],
     ], printed
@@ -253,3 +304,21 @@ def test_a_resume_whose_processes_list_other_newest_steps_stops_every_process_in
         "read or changed: re-run once every host lists the same steps"
     )
     assert said == [[line, "folder: there"]] * 2, printed
+
+
+@pytest.mark.slow
+def test_a_hugging_face_folder_one_process_cannot_read_stops_every_process_in_one_line(
+    tmp_path, repo_root
+):
+    """`checkpoint.init_from=hf:PATH`. Before: process 1 raised alone while process 0 went on
+    with the weights it read, into the first step's collectives."""
+    said, printed = on_two_processes(tmp_path, repo_root, "init_from_hf")
+    hf = tmp_path / "run" / "hf"
+    assert said == [
+        [
+            f"error: process 1 cannot read checkpoint.init_from=hf:{hf} (its own line says why); "
+            "every host must see the same folder at that path",
+            "folder: absent",
+        ],
+        [f"error: hf:{hf} has no *.safetensors files; download the weights", "folder: absent"],
+    ], printed

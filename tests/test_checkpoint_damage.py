@@ -21,7 +21,7 @@ import pytest
 from conftest import TINY, error_lines_of_a_user_error, preloadable_library
 
 from trainer.config import load_config
-from trainer.errors import TrainingError
+from trainer.errors import ConfigError, TrainingError
 from trainer.export import export_params
 from trainer.generate import load_generator
 from trainer.models import builder_for_vocab, model_spec
@@ -100,6 +100,14 @@ def cut_the_train_tree(step: Path) -> None:
 
 def write_no_tree_for_the_train_item(step: Path) -> None:
     train_tree_file(step).write_text("{}")
+
+
+def write_another_tree_for_the_train_item(step: Path) -> None:
+    # Valid JSON of a tree, but not this step's: the optimizer state's last entry left out.
+    tree = json.loads(train_tree_file(step).read_text())
+    entries = tree["tree_metadata"]
+    del entries[max(key for key in entries if key.startswith("('opt_state'"))]
+    train_tree_file(step).write_text(json.dumps(tree))
 
 
 DAMAGES = [
@@ -511,3 +519,25 @@ def test_a_read_error_of_the_storage_exits_2_and_moves_nothing(
     ], done.stderr[-3000:]
     assert "does not restore" not in done.stderr
     assert checkpoint_folders(workdir) == ALL_IN_PLACE
+
+
+@pytest.mark.slow
+def test_a_tree_of_another_layout_saved_with_this_runs_settings_is_not_called_a_setting_change(
+    straight, corpus, tmp_path
+):
+    """A train/_METADATA of another tree in a checkpoint saved with this run's settings. Before:
+    the line advised resuming "with the settings it was saved with", which are this run's. The
+    checkpoint is left in place: nothing else in the step records its tree, so a damaged file
+    and a changed model or optimizer code look the same."""
+    workdir = damaged_copy(straight, tmp_path / "run", write_another_tree_for_the_train_item)
+    with pytest.raises(ConfigError) as refused:
+        run(load_config(None, [*ARGS, f"data.path={corpus}", f"run.workdir={workdir}"]))
+    checkpoints = workdir / "checkpoints"
+    assert str(refused.value) == (
+        f"checkpoint {checkpoints / '6'} holds optimizer or model state laid out otherwise than "
+        "this run's, though it was saved with this run's model.* and optim.* settings: its "
+        "params/_METADATA or train/_METADATA is damaged, or the model's or optimizer's code "
+        "changed since; rename 6 to 6.damaged to resume from the checkpoint before it, or start "
+        f"a new run.workdir with checkpoint.init_from={workdir} to keep its weights"
+    )
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "6"]

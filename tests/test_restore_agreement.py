@@ -2,9 +2,11 @@
 process that could not list it names the read error, the others name that process (before, they
 waited in their next collective until JAX's coordination service aborted them). A listing that
 fails only once Orbax lists the folder itself is the same line, without a traceback from Orbax's
-cleanup thread."""
+cleanup thread. A data position file that one process refuses stops every process the same way,
+and a resume agrees on its newest step in one all-gather."""
 
 import errno
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -12,6 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import TINY, error_lines_of_a_user_error, preloadable_library, tiny_cli
 from test_multihost import on_two_joined_processes, run_args
+
+from trainer.checkpoint import checkpointer as checkpointer_module
+from trainer.config import load_config
+from trainer.train import run
 
 # A read error of the storage while listing a folder, made real: a preloaded library fails the
 # opendir calls of $FAIL_LISTING_OF with $FAIL_LISTING_ERRNO, from the $FAIL_LISTING_FROM-th
@@ -132,3 +138,74 @@ def test_a_listing_that_fails_once_orbax_lists_the_folder_is_the_same_one_line(
         READ_ERROR_LINE.format(folder=folder, problem="Stale file handle [ESTALE]")
     ], done.stderr[-3000:]
     assert list(folder.iterdir()) == []
+
+
+# What a process left waiting in a collective prints when JAX's coordination service aborts it.
+JAX_ABORTED = ("Traceback", "Check failure")
+
+
+def damage_an_offset(position: object) -> bool:
+    """Set the first `offset` count in a data position to -1 (a value no run writes)."""
+    if isinstance(position, dict):
+        if isinstance(position.get("offset"), int):
+            position["offset"] = -1
+            return True
+        return any(damage_an_offset(value) for value in position.values())
+    if isinstance(position, list):
+        return any(damage_an_offset(value) for value in position)
+    return False
+
+
+@pytest.mark.slow
+def test_a_data_position_one_process_refuses_stops_every_process_in_one_line(
+    corpus, tmp_path, repo_root
+):
+    """Each process reads its own data position file; process 1's is damaged, process 0's is
+    whole. Before: process 1 said why and exited while process 0 resumed into its first step's
+    collectives, where JAX's coordination service aborted it (or the test's wait ran out)."""
+    workdir = tmp_path / "run"
+
+    def cli(steps: int) -> list[str]:
+        settings = run_args(corpus, workdir, f"run.steps={steps}", "checkpoint.every=2")
+        return ["-m", "trainer.main", "--config", "configs/tiny.yaml", *settings]
+
+    statuses, printed = on_two_joined_processes(repo_root, [cli(2), cli(2)], devices=4)
+    assert statuses == [0, 0], printed
+    step = workdir / "checkpoints" / "2"
+    path = step / "data" / "process_1-of-2.json"
+    position = json.loads(path.read_text())
+    assert damage_an_offset(position), position
+    path.write_text(json.dumps(position))
+    statuses, printed = on_two_joined_processes(repo_root, [cli(4), cli(4)], devices=4)
+    said = [[line for line in out.splitlines() if "error:" in line] for out in printed]
+    assert said[0] == [
+        f"error: process 1 refused its data position in checkpoint {step} (its own line says why "
+        "and what to do); nothing in it was changed"
+    ], printed
+    assert len(said[1]) == 1, printed
+    assert said[1][0].startswith(
+        f"error: checkpoint {step}: its data position file data/{path.name} is damaged ("
+    ), printed
+    assert "is -1, not a count of 0 or more" in said[1][0], printed
+    assert statuses == [2, 2], printed
+    assert not any(text in out for out in printed for text in JAX_ABORTED), printed
+    assert sorted(p.name for p in step.parent.iterdir()) == ["2"]
+
+
+def test_a_resume_agrees_on_its_newest_step_in_one_all_gather(corpus, tmp_path, monkeypatch):
+    """Before: the newest step was all-gathered to choose between a restore and a fresh start,
+    then again by the restore itself."""
+    gathered, real = [], checkpointer_module.gather_rows
+
+    def counted(mine):
+        gathered.append(mine.tolist())
+        return real(mine)
+
+    def session(steps: int) -> None:
+        settings = [f"data.path={corpus}", f"run.workdir={tmp_path}", f"run.steps={steps}"]
+        run(load_config(None, [*TINY, *settings, "checkpoint.every=2", "log.tensorboard=false"]))
+
+    session(2)
+    monkeypatch.setattr(checkpointer_module, "gather_rows", counted)
+    session(4)
+    assert gathered.count(2) == 1, gathered

@@ -44,6 +44,7 @@ from trainer.parallel.distributed import (
     check_same_config,
     check_same_data,
     check_shared_workdir,
+    stop_every_process_if,
 )
 from trainer.parallel.pipeline import PipelineSpec
 from trainer.parallel.state import TrainState
@@ -309,23 +310,47 @@ def restore_or_init(
     the step and the metadata saved with it (empty for a fresh start). Damaged checkpoints are
     moved aside; a run never starts afresh over them. Without either, `checkpoint.init_from`
     names the run or folder whose parameters start it."""
-    if checkpointer.newest_step() is None and not checkpointer.damaged():
+    newest = checkpointer.newest_step()
+    if newest is None and not checkpointer.damaged():
         if config.checkpoint.init_from:
             return init_from(config.checkpoint.init_from, program, spec), 0, {}
         return program.init(), 0, {}
     target = program.abstract_state()
     step, (state, data_state, meta) = checkpointer.restore_newest(
-        lambda step: checkpointer.restore(step, target, config.to_dict())
+        lambda step: checkpointer.restore(step, target, config.to_dict()), newest_agreed=True
     )
-    if resumes_position(train_iter):  # else it starts again; `announce` says so
-        data_checkpointing.resume_position(
-            train_iter,
-            data_state,
-            checkpointer.directory / str(step),
-            saved_config=meta.get("config"),
-            config=config.to_dict(),
-        )
+    resume_position_on_every_process(
+        train_iter, data_state, checkpointer.directory / str(step), meta, config
+    )
     return with_this_runs_loss_scale(state, program), step, meta
+
+
+def resume_position_on_every_process(
+    train_iter: Any, data_state: Any, step_folder: Path, meta: dict[str, Any], config: Config
+) -> None:
+    """Put this process's data position back (each reads its own file), or stop every process
+    when one refuses its own: the others would go on to their first step's collectives and wait
+    there until JAX's coordination service aborted them."""
+    refusal = None
+    if resumes_position(train_iter):  # else it starts again; `announce` says so
+        try:
+            data_checkpointing.resume_position(
+                train_iter,
+                data_state,
+                step_folder,
+                saved_config=meta.get("config"),
+                config=config.to_dict(),
+            )
+        except DataError as err:
+            refusal = err
+
+    def elsewhere(process: int) -> DataError:
+        return DataError(
+            f"process {process} refused its data position in checkpoint {step_folder} (its own "
+            "line says why and what to do); nothing in it was changed"
+        )
+
+    stop_every_process_if(refusal, elsewhere)  # on every process, whatever its iterator
 
 
 def with_this_runs_loss_scale(state: TrainState, program: TrainProgram) -> TrainState:
@@ -358,8 +383,9 @@ def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
                 f"checkpoint.init_from={path} reads a Hugging Face folder into the built-in "
                 "transformer; this model has no Hugging Face adapter: point init_from at a run"
             )
+        params = hf_params_on_every_process(path, folder, spec.hf.load_params, target, program.mesh)
         with jax.set_mesh(program.mesh):
-            return program.init().replace(params=spec.hf.load_params(folder, target))
+            return program.init().replace(params=params)
     source, _ = Checkpointer.open_existing(
         path, fix="point checkpoint.init_from at the run.workdir of a past run"
     )
@@ -371,3 +397,31 @@ def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
     finally:
         source.close()
     return program.init().replace(params=params)
+
+
+def hf_params_on_every_process(
+    path: str, folder: str, load_params: Callable[[str, Any], Any], target: Any, mesh: Mesh
+) -> Any:
+    """`load_params(folder, target)`, or a stop on every process when one cannot read the folder
+    (its host lacks it, or reads it otherwise): the others would go on to the first step's
+    collectives and wait there until JAX's coordination service aborted them."""
+    params, refusal = None, None
+    with jax.set_mesh(mesh):
+        try:
+            params = load_params(folder, target)
+        except ConfigError as err:
+            refusal = err
+        except OSError as err:
+            refusal = ConfigError(
+                f"cannot read checkpoint.init_from={path} ({err.strerror}); check the storage "
+                "it is on, or download the weights again"
+            )
+
+    def elsewhere(process: int) -> ConfigError:
+        return ConfigError(
+            f"process {process} cannot read checkpoint.init_from={path} (its own line says "
+            "why); every host must see the same folder at that path"
+        )
+
+    stop_every_process_if(refusal, elsewhere)
+    return params

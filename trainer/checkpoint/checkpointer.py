@@ -47,10 +47,17 @@ from trainer.checkpoint.reading import (
 )
 from trainer.config import CheckpointConfig
 from trainer.errors import ConfigError, TrainingError
-from trainer.parallel.distributed import gather_rows, stop_every_process_if
+from trainer.parallel.distributed import (
+    gather_rows,
+    stop_every_process_if,
+    stop_every_process_with_kind,
+)
 from trainer.parallel.state import TrainState
 
 T = TypeVar("T")
+
+# What kept a process from starting a save, as the others are told: the save's one all-gather.
+NOT_WRITABLE, NO_ROOM = 1, 2
 
 
 class Checkpointer(StepReader):
@@ -192,14 +199,19 @@ class Checkpointer(StepReader):
         steps: list[int] | None = None,
         advice: str = "start fresh with another run.workdir, or repair them (rename a repaired "
         "one back to its step number) and re-run",
+        newest_agreed: bool = False,
     ) -> tuple[int, T]:
         """`(step, restore(step))` for the newest of `steps` (default: all) that restores
         completely. One whose own files are damaged is named in one warning line and, in the
         run's own folder, moved aside to `<step>.damaged` (never deleted); then the next older one
         is tried. Any other failure (a read error of the storage, memory, an interrupt, a config
-        to fix, a bug) ends the search with every checkpoint left in place (`_try_restore`)."""
-        for step in sorted(self.manager.all_steps() if steps is None else steps, reverse=True):
-            self._same_step_on_every_process(step)
+        to fix, a bug) ends the search with every checkpoint left in place (`_try_restore`).
+        `newest_agreed`: the caller's `newest_step()` agreed the newest of all steps already."""
+        listed = sorted(self.manager.all_steps() if steps is None else steps, reverse=True)
+        agreed = newest_agreed and steps is None
+        for tried, step in enumerate(listed):
+            if tried or not agreed:
+                self._same_step_on_every_process(step)
             value, reason = self._try_restore(restore, step)
             if reason is None:
                 return step, value
@@ -208,7 +220,8 @@ class Checkpointer(StepReader):
                 f"warning: checkpoint {self.directory / str(step)} does not restore ({reason}); "
                 f"{outcome}; trying the previous one"
             )
-        self._same_step_on_every_process(None)
+        if listed or not agreed:
+            self._same_step_on_every_process(None)
         kept = self.damaged()
         aside = f" (damaged ones moved aside: {', '.join(kept)})" if kept else ""
         raise TrainingError(f"no checkpoint in {self.directory} restores{aside}; {advice}")
@@ -322,7 +335,7 @@ class Checkpointer(StepReader):
     ) -> float:
         """Start a save; returns the seconds the caller was blocked (device-to-host copy)."""
         jax.block_until_ready(state)  # time the copy, not the step that is still running
-        _stop_every_process_if(self._save_problem(step, state), "save into", self.directory)
+        self._stop_every_process_unless_saving(step, state)
         start = time.perf_counter()
         self._finish_warm_up()  # one save at a time, as Orbax does within one manager
         if self._saving is None:  # failures in Orbax's threads: reported by us, once
@@ -332,16 +345,38 @@ class Checkpointer(StepReader):
             self.manager.save(step, args=save_args(state, data_state, meta))
         return time.perf_counter() - start
 
-    def _save_problem(self, step: int, state: TrainState) -> TrainingError | None:
-        """Why this process refuses to start the save (a folder that takes no new file, a disk
-        without room for it), asked before any process starts it: one that raised alone left
-        the others waiting at Orbax's first save barrier."""
+    def _stop_every_process_unless_saving(self, step: int, state: TrainState) -> None:
+        """Stop every process when one refuses to start the save (a folder that takes no new
+        file, a disk without room for it), asked before any process starts it: one that raised
+        alone left the others waiting at Orbax's first save barrier. The others' line fits the
+        kind of problem that process met (one all-gather carries it)."""
+        failure, kind = self._save_problem(step, state)
+        directory = self.directory
+
+        def elsewhere(process: int, kind: int) -> TrainingError:
+            if kind == NO_ROOM:
+                return TrainingError(
+                    f"process {process} found no room for the save of step {step} in checkpoint "
+                    f"folder {directory} (its own log says how much it needs); nothing in it was "
+                    "changed: free space there, lower checkpoint.keep, or point run.workdir at a "
+                    "larger disk"
+                )
+            return _stopped_elsewhere(process, "save into", directory)
+
+        stop_every_process_with_kind(failure, kind, elsewhere)
+
+    def _save_problem(self, step: int, state: TrainState) -> tuple[TrainingError | None, int]:
+        """Why this process refuses to start the save, and its kind (`NOT_WRITABLE`,
+        `NO_ROOM`); `(None, 0)` when it can start it."""
         try:
             self._check_writable(f"saving step {step}")
+        except TrainingError as err:
+            return err, NOT_WRITABLE
+        try:
             self._check_free_space(step, state)
         except TrainingError as err:
-            return err
-        return None
+            return err, NO_ROOM
+        return None, 0
 
     def warm_up(self, state: TrainState, meta: dict[str, Any]) -> None:
         """A throwaway save of `state` into `<directory>.warm_up` (deleted once written) before
@@ -445,11 +480,13 @@ def _stop_every_process_if(failure: TrainingError | None, doing: str, directory:
     """Raise `failure` here, and on every other process a line naming the first process it was
     raised on: `stop_every_process_if`."""
 
-    def elsewhere(process: int) -> TrainingError:
-        return TrainingError(
-            f"process {process} cannot {doing} checkpoint folder {directory} (its own log "
-            "says why); nothing in it was changed: check the storage it is on from that host "
-            "(its mount, its permissions) and re-run"
-        )
+    stop_every_process_if(failure, lambda process: _stopped_elsewhere(process, doing, directory))
 
-    stop_every_process_if(failure, elsewhere)
+
+def _stopped_elsewhere(process: int, doing: str, directory: Path) -> TrainingError:
+    """The line of the processes that did not meet the problem `process` met with the folder."""
+    return TrainingError(
+        f"process {process} cannot {doing} checkpoint folder {directory} (its own log "
+        "says why); nothing in it was changed: check the storage it is on from that host "
+        "(its mount, its permissions) and re-run"
+    )

@@ -15,6 +15,7 @@ from trainer.checkpoint.failures import DamageError, damage_in, interrupt_in, me
 from trainer.checkpoint.items import (
     META_FILE,
     RESUME_ANOTHER_MODEL,
+    TREE_FILE,
     abstract_loss_scale,
     changed_keys,
     param_shapes,
@@ -150,10 +151,21 @@ class StepReader:
             f"{k}: saved {json.dumps(a)}, now {json.dumps(b)}" for k, a, b in changed[:4]
         )
         which = f" ({keys})" if keys else ""
+        new_run = (
+            f"start a new run.workdir with checkpoint.init_from={self.directory.parent} to keep "
+            "its weights"
+        )
+        if run_config is not None and isinstance(saved, dict) and not changed:
+            return (
+                f"checkpoint {where} holds optimizer or model state laid out otherwise than this "
+                "run's, though it was saved with this run's model.* and optim.* settings: its "
+                f"params/{TREE_FILE} or train/{TREE_FILE} is damaged, or the model's or "
+                f"optimizer's code changed since; rename {step} to {step}.damaged to resume from "
+                f"the checkpoint before it, or {new_run}"
+            )
         return (
             f"checkpoint {where} holds optimizer or model state laid out otherwise than this "
-            f"run's{which}; resume with the settings it was saved with, or start a new "
-            f"run.workdir with checkpoint.init_from={self.directory.parent} to keep its weights"
+            f"run's{which}; resume with the settings it was saved with, or {new_run}"
         )
 
     def _check_shapes(

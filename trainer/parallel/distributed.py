@@ -350,12 +350,21 @@ def stop_every_process_if(failure: Exception | None, elsewhere: Callable[[int], 
     """Raise `failure` here, and on every other process `elsewhere(p)`, p the first process it
     was raised on (one small all-gather): a process that stopped alone left the others waiting
     in their next collective until JAX's coordination service aborted them."""
-    everyone, _ = gather_rows(np.array(int(failure is not None), np.int32))
+    stop_every_process_with_kind(failure, 1, lambda process, _: elsewhere(process))
+
+
+def stop_every_process_with_kind(
+    failure: Exception | None, kind: int, elsewhere: Callable[[int, int], Exception]
+) -> None:
+    """`stop_every_process_if`, whose one all-gather also carries `kind` (a positive number the
+    caller gives the kind of `failure`), so that `elsewhere(p, kind of p's failure)` gives the
+    others a line that fits what process p met."""
+    everyone, _ = gather_rows(np.array(kind if failure is not None else 0, np.int32))
     failed = np.flatnonzero(everyone)
     if failure is not None:
         raise failure
     if failed.size:
-        raise elsewhere(int(failed[0]))
+        raise elsewhere(int(failed[0]), int(everyone[failed[0]]))
 
 
 def check_same_config(config: Mapping[str, Any]) -> None:
