@@ -100,14 +100,14 @@ def check_line(stamps_PxSx4: np.ndarray, unchecked_PxS: np.ndarray) -> str | Non
     shards = sum(len(share) for share in shares)
     if not shards:
         return None
-    own_copies = any(not shared_S[s] for share in shares for s in share)
+    readers = [p for p, share in enumerate(shares) if share]
+    own_copies = any(not shared_S[s] for share in shares for s in share) and len(readers) > 1
     what = f"{shards} shard{'s' if shards > 1 else ''} ({size_text(sum(read_P))}"
     what += ", each process's own copies counted apart)" if own_copies else ")"
-    readers = [p for p, share in enumerate(shares) if share]
     by = f", split over {len(readers)} processes" if len(readers) > 1 else ""
     if len(shares) > 1 and len(readers) == 1:
         by = f", all by process {readers[0]} of {len(shares)}"
-    elif own_copies and len(readers) > 1:  # each reads its own copy: nothing is split
+    elif own_copies:  # each reads its own copy: nothing is split
         by = f", by {len(readers)} processes, up to {size_text(max(read_P))} on one"
     return (
         f"checking the sha256 of {what} before training{by}; a one-time check: later starts skip "

@@ -1161,17 +1161,17 @@ def test_a_copy_of_the_dataset_that_does_not_open_on_one_host_stops_every_proces
     """A half-copied dataset on one host: that process said why in one line, then waited for
     the others at exit (`JAX_SHUTDOWN_TIMEOUT_S`) while they waited for it in their first
     collective, until both aborted with C++ stack traces. Now every process stops at once
-    (process 0 after its line saying what the shard check reads: each process its own copy)."""
+    (process 0 after its line saying what the shard check reads: process 1's copy alone, since
+    process 0 reads the shards as prepare left them)."""
     copy, shard = damaged
     (process_0, said_0), (process_1, said_1) = on_two_hosts(tmp_path, repo_root, [corpus, copy])
     assert (process_0, process_1) == (2, 2), said_0[-3000:] + said_1[-3000:]
     shards = [path for path, _ in load_dataset_info(corpus).checksums()]
     size = sum(path.stat().st_size for path in shards)
     assert said_0.splitlines()[1:] == [
-        f"checking the sha256 of {2 * len(shards)} shards ({2 * size / 1e6:.1f} MB, each "
-        "process's own copies counted apart) before training, by 2 processes, up to "
-        f"{size / 1e6:.1f} MB on one; a one-time check: later starts skip the shards that pass "
-        "it and are unchanged since (data.verify_checksums=false turns it off)",
+        f"checking the sha256 of {len(shards)} shards ({size / 1e6:.1f} MB) before training, "
+        "all by process 1 of 2; a one-time check: later starts skip the shards that pass it and "
+        "are unchanged since (data.verify_checksums=false turns it off)",
         "error: process 1 could not open its data at data.path=data (its own log says why); "
         "repair that host's copy, or point data.path at storage every host mounts (NFS, "
         "Lustre, ...)",
