@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,6 +21,7 @@ from input_pipeline.verified import (
     Stamp,
     VerifiedShards,
     check_line,
+    shards_to_hash,
     shared_stamp,
 )
 
@@ -204,59 +205,88 @@ def _bad_field(info_file: Path, name: str, value: Any, wanted: str) -> str:
     )
 
 
+Gather = Callable[[np.ndarray], np.ndarray]  # every process's int64 array, one row each
+# What a process found of each shard it was to hash (`verify_datasets`).
+NOT_HASHED, MATCHES, DIFFERS, UNREADABLE = range(4)
+
+
+def alone(mine: np.ndarray) -> np.ndarray:
+    """The `Gather` of a process that checks alone: its own row, and no collective call."""
+    return mine[None]
+
+
 def verify_datasets(
-    datasets: Sequence[DatasetInfo], verified: VerifiedShards | None = None
-) -> None:
+    datasets: Sequence[DatasetInfo],
+    verified: VerifiedShards | None = None,
+    *,
+    me: int = 0,
+    gather: Gather = alone,
+) -> int | None:
     """Compare every shard of `datasets` with the sha256 `prepare` recorded: a shard changed or
     damaged since then fails here, before training, rather than as odd batches later. Shards are
     hashed on parallel threads (hashlib releases the GIL), after one line on stderr saying what
-    is read (`check_line`); those `verified` holds unchanged since they matched are not read
-    again, and those that match now are added to it, even when another does not. (Several
-    processes check their shards together: `trainer.data.verify_shards_together`.)"""
-    shards = _shards_to_check(datasets, verified)
-    if not shards:
-        return
-    stamps_1xSx4 = np.array([[stamp for *_, stamp in shards]], np.int64)
-    print(check_line(stamps_1xSx4, np.ones((1, len(shards)), bool)), file=sys.stderr)
+    is read (`check_line`); those `verified` (this process's record) or prepare's holds
+    unchanged since they matched are not read again, and those that match now are added to it,
+    even when another does not.
+
+    By default this process checks alone and makes no collective call: a library caller may
+    call it on one process of many, at any time. With `gather` (an all-gather among the
+    processes of a run, this one process `me`) they check together: each must then call it at
+    the same point with the same datasets, and on shared storage each shard is read once among
+    them (`shards_to_hash`); process 0 says the line for all. A shard that fails raises
+    DataError on every process that sees it as one shared file, else on each process whose own
+    copy failed; the others return the first process that failed (None: every shard passed)."""
+    shards = [(info, path, sha) for info in datasets for path, sha in info.checksums() if sha]
+    if not shards:  # a listing without any sha256 has nothing to check
+        return None
+    stamps = [_stamp(path) for _, path, _ in shards]
+    mine_Sx5 = [
+        [*stamp, not info.checked(path, stamp, sha, verified)]
+        for (info, path, sha), stamp in zip(shards, stamps, strict=True)
+    ]
+    everyone_PxSx5 = gather(np.array(mine_Sx5, np.int64))
+    stamps_PxSx4, unchecked_PxS = everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0
+    if not unchecked_PxS.any():  # every process knows every shard: they all return here
+        return None
+    if me == 0:  # it has every process's stamps from the gather
+        print(check_line(stamps_PxSx4, unchecked_PxS), file=sys.stderr)
+    shared_S, mine = shards_to_hash(stamps_PxSx4, unchecked_PxS, me)
     with ThreadPoolExecutor() as pool:
-        found = list(pool.map(_sha256_or_error, [path for _, path, _, _ in shards]))
+        hashed = dict(zip(mine, pool.map(lambda s: _hash(*shards[s]), mine), strict=True))
+    found_S = np.array([hashed.get(s, (NOT_HASHED,))[0] for s in range(len(shards))], np.int64)
+    found_PxS = gather(found_S)
+    matched_S = np.where(shared_S, (found_PxS == MATCHES).any(axis=0), found_PxS[me] == MATCHES)
     if verified is not None:
-        for (_, path, expected, stamp), digest in zip(shards, found, strict=True):
-            if digest == expected:
-                verified.add(path, stamp, expected)
+        for (_, path, sha), stamp, matched in zip(shards, stamps, matched_S, strict=True):
+            if matched:
+                verified.add(path, stamp, sha)
         verified.save()
-    for (info, path, expected, _), digest in zip(shards, found, strict=True):
-        if isinstance(digest, OSError):
-            raise DataError(info.unreadable(path, digest))
-        if digest != expected:
-            raise DataError(info.mismatch(path))
+    differs_shared = np.flatnonzero(shared_S & (found_PxS == DIFFERS).any(axis=0))
+    if differs_shared.size:  # every process says it
+        info, path, _ = shards[differs_shared[0]]
+        raise DataError(info.mismatch(path))
+    failed_PxS = found_PxS >= DIFFERS
+    if failed_PxS[me].any():
+        raise DataError(hashed[np.flatnonzero(failed_PxS[me])[0]][1])
+    failed_P = np.flatnonzero(failed_PxS.any(axis=1))  # that process says why
+    return int(failed_P[0]) if failed_P.size else None
 
 
-def _shards_to_check(
-    datasets: Sequence[DatasetInfo], verified: VerifiedShards | None
-) -> list[tuple[DatasetInfo, Path, str, Stamp]]:
-    """The shards of `datasets` with a recorded sha256 that neither `verified` nor prepare's
-    record holds unchanged since they matched it (`DatasetInfo.checked`), each with its
-    dataset, sha256 and `shared_stamp`."""
-    shards = [
-        (info, path, expected, shared_stamp(path))
-        for info in datasets
-        for path, expected in info.checksums()
-        if expected  # a listing without any sha256 has nothing to check
-    ]
-    return [
-        (info, path, expected, stamp)
-        for info, path, expected, stamp in shards
-        if not info.checked(path, stamp, expected, verified)
-    ]
-
-
-def _sha256_or_error(path: Path) -> str | OSError:
-    """`sha256_of`, or what kept the shard at `path` from being read (storage fails too)."""
+def _stamp(path: Path) -> Stamp:
+    """`shared_stamp` of a shard; none (-1s) for one gone since it was listed (which its hash
+    then says)."""
     try:
-        return sha256_of(path)
+        return shared_stamp(path)
+    except OSError:
+        return (-1, -1, -1, -1)
+
+
+def _hash(info: DatasetInfo, path: Path, sha256: str) -> tuple[int, str]:
+    """What hashing the shard at `path` finds, and the line saying what is wrong with it."""
+    try:
+        return (MATCHES if sha256_of(path) == sha256 else DIFFERS), info.mismatch(path)
     except OSError as err:
-        return err
+        return UNREADABLE, info.unreadable(path, err)
 
 
 def sha256_of(path: Path) -> str:

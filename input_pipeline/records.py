@@ -18,10 +18,12 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from input_pipeline.dataset_info import INFO_FILE, sha256_of
 from input_pipeline.errors import DataError, damaged_shard
+from input_pipeline.verified import shared_stamp
 
 # group_size:1 keeps every record independently addressable: global shuffles stay cheap.
 WRITER_OPTIONS = "group_size:1"
 READER_OPTIONS = "readahead_buffer_size:0"  # random access: what Grain's own reader uses
+WRITTEN = "written"  # a shard's inode, size and mtime_ns before it was hashed: done.json only
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -81,14 +83,20 @@ class ShardSet:
         self.records += 1
 
     def close(self) -> list[dict[str, Any]]:
-        """Close every file; per-shard counts and SHA-256, in shard order."""
+        """Close every file; per-shard counts, SHA-256 and the stamp it had before it was read
+        for its SHA-256 (`WRITTEN`), in shard order."""
         for writer in self._writers:
             writer.close()
-        names = [self.name(i) for i in range(len(self._counts))]
-        return [
-            {"file": name, "records": r, "tokens": t, "sha256": sha256_of(self.folder / name)}
-            for name, (r, t) in zip(names, self._counts, strict=True)
-        ]
+        return [self._listing(i, r, t) for i, (r, t) in enumerate(self._counts)]
+
+    def _listing(self, index: int, records: int, tokens: int) -> dict[str, Any]:
+        """Shard `index`'s entry, its stamp taken before its bytes are read for the SHA-256: a
+        write after the stamp, during the read or after it, leaves the shard with another stamp,
+        so prepare does not vouch for bytes it did not read and the trainer hashes them."""
+        path = self.folder / self.name(index)
+        written = list(shared_stamp(path)[:3])
+        entry = {"file": path.name, "records": records, "tokens": tokens, WRITTEN: written}
+        return {**entry, "sha256": sha256_of(path)}
 
 
 class DecodeRecord(grain.transforms.Map):

@@ -9,7 +9,7 @@ that group keeps aside (`fallback`) until the merge knows whether any group foun
 A null text (document `None`) is skipped; each group counts its own (`null_texts` in `done.json`)
 and the merge adds them up, so the count is the same however the groups were written.
 
-`done.json` also holds each shard's inode, size and modification time once it was hashed
+`done.json` also holds each shard's inode, size and modification time from before it was hashed
 (`WRITTEN`); the merge records a shard's `shared_stamp` at its final name for the trainer's
 shard check (`PreparedShards`) only where these are still the same: the move to that name
 changes only its change time. A group finished by a version without them gets no record: its
@@ -33,12 +33,11 @@ import numpy as np
 from input_pipeline.atomic import write_json
 from input_pipeline.documents import Piece, piece_documents
 from input_pipeline.errors import DataError
-from input_pipeline.records import Codec, ShardSet, arrayrecord_codec, split_long
+from input_pipeline.records import WRITTEN, Codec, ShardSet, arrayrecord_codec, split_long
 from input_pipeline.tokenizers import ByteTokenizer, Tokenizer, tokenizer_from_file
 from input_pipeline.verified import Stamp, shared_stamp
 
 DONE_FILE = "done.json"
-WRITTEN = "written"  # a shard's inode, size and mtime_ns once hashed: done.json only
 ENCODE_BATCH = 256  # documents per tokenizer call
 SPLITS = ("train", "eval")
 EXTENSIONS = {"arrayrecord": ".arrayrecord", "tfrecord": ".tfrecord"}
@@ -183,17 +182,8 @@ def write_group(
             if on_document is not None:
                 on_document()
     manifest = writer.finish()
-    stamp_written(folder, manifest)
     write_json(folder / DONE_FILE, manifest)
     return manifest
-
-
-def stamp_written(folder: Path, manifest: dict[str, Any]) -> None:
-    """Each shard's inode number, size and modification time now that it is closed and hashed:
-    what its stamp must still hold at its final name for prepare to vouch for it."""
-    listings = [*manifest["splits"].values(), manifest.get("fallback", {"shards": []})]
-    for shard in (shard for listing in listings for shard in listing["shards"]):
-        shard[WRITTEN] = list(shared_stamp(folder / shard["file"])[:3])
 
 
 def group_folder(staging: Path, index: int) -> Path:

@@ -153,9 +153,10 @@ class VerifiedShards:
 
     def _merged(self) -> dict[str, list[str]]:
         """These entries, and those in the file now that this record lacks or holds stale, where
-        they still match their shard's stamp. Another writer saving between this read and the
-        rename still wins; its shards are then only read again next time."""
-        merged = dict(self._entries)
+        they still match their shard's stamp; none of a shard gone since (its dataset deleted),
+        which the record would otherwise keep forever. Another writer saving between this read
+        and the rename still wins; its shards are then only read again next time."""
+        merged = {path: entry for path, entry in self._entries.items() if os.path.exists(path)}
         for path, entry in _read_entries(self.record).items():
             ours = merged.get(path)
             if entry != ours and _still_current(path, entry) and not _still_current(path, ours):

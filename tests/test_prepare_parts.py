@@ -290,3 +290,33 @@ def test_the_merge_records_the_final_stamp_of_each_shard_unchanged_since_its_has
         if sha not in unrecorded
     }
     assert len(record) == len(checksums) - 1 - len(old) > 0
+
+
+def test_a_shard_written_after_its_stamp_is_hashed_at_the_first_start(tmp_path, monkeypatch):
+    """prepare noted a shard's stamp after it read the shard for its sha256: bytes written in
+    between (here, just after the read) were in a shard whose stamp prepare vouched for, so the
+    first start trusted them unread. The stamp now comes before the read: the first start
+    hashes that shard and refuses it."""
+    from test_verified_shards import prepare_small, start, touch
+
+    import input_pipeline.records
+    from input_pipeline.errors import DataError
+
+    real, written = input_pipeline.records.sha256_of, []
+
+    def written_after_its_read(path):
+        sha = real(path)
+        if not written:  # the first shard closed
+            with open(path, "r+b") as f:
+                f.seek(-100, os.SEEK_END)
+                f.write(bytes(b ^ 0xFF for b in f.read(1)))
+            touch(path)  # a write within the clock tick of the last one may keep the times
+            written.append(path.name)
+        return sha
+
+    monkeypatch.setattr(input_pipeline.records, "sha256_of", written_after_its_read)
+    dataset = prepare_small(tmp_path / "data")
+    monkeypatch.undo()
+    assert written
+    with pytest.raises(DataError, match="does not match the checksum"):
+        start(dataset, tmp_path / "cache")

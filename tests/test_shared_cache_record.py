@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 
+import input_pipeline.dataset_info
 import trainer.data
 from input_pipeline.dataset_info import load_dataset_info
 from trainer.config import load_config
@@ -48,7 +49,7 @@ said, cache, nfs, local, own, *devices = sys.argv[1:]
 said = open(said, "w", buffering=1)  # stdout also carries Gloo's lines
 subprocess.run(["mount", "--bind", own, local], check=True)
 initialize(cluster_from_env())
-real_sha256_of, one_line_at_a_time = trainer.data.sha256_of, threading.Lock()
+real_sha256_of, one_line_at_a_time = input_pipeline.dataset_info.sha256_of, threading.Lock()
 
 
 def said_and_hashed(path):  # called on the check's threads
@@ -57,13 +58,13 @@ def said_and_hashed(path):  # called on the check's threads
     return real_sha256_of(path)
 
 
-trainer.data.sha256_of = said_and_hashed
+input_pipeline.dataset_info.sha256_of = said_and_hashed
 for start, device in enumerate(devices):
     subprocess.run(["mount", "-o", "ro", device, nfs], check=True)
     for name, dataset in (("nfs", nfs), ("local", local)):
         print(f"check {start} {name} {os.stat(dataset + '/dataset.json').st_dev}", file=said)
         data = load_config(None, [f"data.path={dataset}", f"data.cache_dir={cache}"]).data
-        trainer.data.verify_shards_together(data, [load_dataset_info(dataset)], ("data.path", name))
+        trainer.data.verify_shards(data, [load_dataset_info(dataset)], ("data.path", name))
         print("passed", file=said)
     subprocess.run(["umount", nfs], check=True)
 """

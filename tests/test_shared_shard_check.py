@@ -121,6 +121,7 @@ import os
 import sys
 import threading
 
+import input_pipeline.dataset_info
 import trainer.data
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
@@ -131,7 +132,7 @@ from trainer.parallel.distributed import cluster_from_env, initialize
 said, caches, *datasets = sys.argv[1:]
 said = open(said, "w", buffering=1)  # stdout also carries Gloo's lines
 initialize(cluster_from_env())
-real_sha256_of, one_line_at_a_time = trainer.data.sha256_of, threading.Lock()
+real_sha256_of, one_line_at_a_time = input_pipeline.dataset_info.sha256_of, threading.Lock()
 
 
 def said_and_hashed(path):  # called on the check's threads
@@ -140,7 +141,7 @@ def said_and_hashed(path):  # called on the check's threads
     return real_sha256_of(path)
 
 
-trainer.data.sha256_of = said_and_hashed
+input_pipeline.dataset_info.sha256_of = said_and_hashed
 for dataset in datasets:
     name = os.path.basename(dataset)
     data = load_config(None, [f"data.path={dataset}", f"data.cache_dir={caches}/{name}"]).data
@@ -148,7 +149,7 @@ for dataset in datasets:
     try:
         with contextlib.redirect_stderr(said):  # the line before the check
             infos = [load_dataset_info(dataset)]
-            trainer.data.verify_shards_together(data, infos, ("data.path", name))
+            trainer.data.verify_shards(data, infos, ("data.path", name))
         print("passed", file=said)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=said)

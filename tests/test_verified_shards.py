@@ -7,12 +7,12 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import TINY
 
 import input_pipeline.dataset_info as dataset_info
-import trainer.data
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
 from input_pipeline.prepare import prepare_dataset
@@ -33,7 +33,6 @@ def hashed(monkeypatch) -> list[str]:
         return real(path)
 
     monkeypatch.setattr(dataset_info, "sha256_of", counting)
-    monkeypatch.setattr(trainer.data, "sha256_of", counting)  # a check shared among processes
     return names
 
 
@@ -231,6 +230,29 @@ def test_a_record_saved_meanwhile_keeps_none_of_its_shards_changed_since(copy, t
     again = VerifiedShards(record)
     assert again.known(rechecked, shared_stamp(rechecked), "new sha")
     assert json.loads(record.read_text()).keys() == {os.path.realpath(rechecked)}
+
+
+def test_a_save_drops_the_shards_gone_since_its_own_and_those_saved_meanwhile(
+    copy, corpus, tmp_path
+):
+    """A record kept every shard it ever matched: a home cache folder held 943 of its 983
+    entries for datasets deleted long ago. A save now leaves out the shards gone, of its own
+    entries and of those another run saved meanwhile; the shards still there stay known."""
+    record = record_file(tmp_path / "cache", 0)
+    gone, gone_too = (Path(shutil.copytree(corpus, tmp_path / name)) for name in ("a", "b"))
+    kept = [copy / name for name in shards_of(copy)[:2]]
+    ours, theirs = VerifiedShards(record), VerifiedShards(record)
+    for run, still, deleted in ((ours, kept[0], gone), (theirs, kept[1], gone_too)):
+        for shard in [still, *deleted.glob("train-*")]:
+            run.add(shard, shared_stamp(shard), f"sha of {shard.name}")
+    theirs.save()
+    shutil.rmtree(gone)
+    shutil.rmtree(gone_too)
+    ours.save()
+    assert json.loads(record.read_text()) == {
+        os.path.realpath(shard): [":".join(map(str, shared_stamp(shard))), f"sha of {shard.name}"]
+        for shard in kept
+    }
 
 
 def test_a_shard_the_storage_cannot_read_is_one_line_and_the_others_are_recorded(

@@ -17,7 +17,6 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,12 @@ import jax
 import numpy as np
 
 from input_pipeline.corpora import default_cache_dir, resolve_dataset
-from input_pipeline.dataset_info import DatasetInfo, load_dataset_info, sha256_of, verify_datasets
+from input_pipeline.dataset_info import (
+    DatasetInfo,
+    alone,
+    load_dataset_info,
+    verify_datasets,
+)
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixed, rows_per_read, tokens_by_source
 from input_pipeline.packing import blank_batch
@@ -35,14 +39,7 @@ from input_pipeline.reading import Reading
 from input_pipeline.records import MemorySource, SkippedCount, available_memory, memory_needed
 from input_pipeline.streams import StreamBatches
 from input_pipeline.tokenizers import Tokenizer, get_tokenizer
-from input_pipeline.verified import (
-    Stamp,
-    VerifiedShards,
-    check_line,
-    record_file,
-    shards_to_hash,
-    shared_stamp,
-)
+from input_pipeline.verified import VerifiedShards, record_file
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
 from trainer.parallel.distributed import data_not_opened, gather_rows
@@ -50,8 +47,6 @@ from trainer.parallel.distributed import data_not_opened, gather_rows
 # This process's place among the processes that feed distinct rows of a batch, and their count
 # (`input_pipeline.device.row_feeders`, computed once per run from its mesh).
 Feeders = tuple[int, int]
-# What a process found of each shard of a check shared among processes (`verify_shards_together`).
-NOT_HASHED, MATCHES, DIFFERS, UNREADABLE = range(4)
 
 
 @dataclass
@@ -72,7 +67,7 @@ class DataSources:
     feeders: int = 1  # processes feeding distinct rows: a batch's global row count is theirs
     load_tokenizer: Callable[[], Tokenizer] | None = None  # the prepared data's, for samples
     without_evals: str = "no eval_data given; training without evals"  # said when make_eval is None
-    unchecked: tuple[DatasetInfo, ...] = ()  # datasets left to `verify_shards_together`
+    unchecked: tuple[DatasetInfo, ...] = ()  # datasets left to `verify_shards`
 
 
 @dataclass(frozen=True)
@@ -148,7 +143,7 @@ def dataset_sources(
 ) -> DataSources:
     """The configured datasets' train batches (this process's rows as feeder `feeders`), their
     eval data, and what checkpoints record about them; unreadable records are listed in
-    `skip_log`. `verify=False` leaves the shards' check to `verify_shards_together`."""
+    `skip_log`. `verify=False` leaves the shards' check to `verify_shards`."""
     reading = train_reading(data, seed, skip_log)
     sources = load_sources(data, reading, verify)
     train = stream_batches(data, sources, "train", reading, feeders)
@@ -276,7 +271,7 @@ def load_sources(data: DataConfig, reading: Reading, verify: bool = True) -> lis
         for name, e, key in zip(names, entries, keys, strict=True)
     }
     if verify:  # all together: one line says what is read, and the shards hash in parallel
-        verify_here(data, list(infos.values()))
+        verify_shards(data, list(infos.values()))
     check_same_tokenizer(infos)
     caches = memory_caches(data, infos, reading)
     return [
@@ -295,99 +290,36 @@ def load_dataset(
     if data.verify_checksums and not verify:
         info.checksums()  # a missing shard fails here, as the data opens, not in the later check
     elif verify:
-        verify_here(data, [info])
+        verify_shards(data, [info])
     return info
 
 
-def verify_here(data: DataConfig, datasets: Sequence[DatasetInfo]) -> None:
-    """`load_dataset`'s check of the shards of `datasets` by this process alone (unless
-    `data.verify_checksums` is off), against this process's record of those checked before."""
+def verify_shards(
+    data: DataConfig, datasets: Sequence[DatasetInfo], setting: tuple[str, str] | None = None
+) -> None:
+    """The check of the shards of `datasets` against their recorded sha256 (`verify_datasets`),
+    unless `data.verify_checksums` is off, against this process's record of those checked
+    before. A shard that fails stops the run (`data.skip_corrupt`: a warning). Without
+    `setting`, this process checks alone (`load_dataset`). With it (the config key and value of
+    the data, to name it in a line), all the processes of the run check together, so that each
+    shard on shared storage is read once among them: call it then on every process once
+    `check_same_data` has passed (their lists of shards are the same); one process whose own
+    shard fails stops the others with a line naming it."""
     if not data.verify_checksums:
         return
+    me, gather = (0, alone) if setting is None else (jax.process_index(), _gather_int64)
     try:
-        verify_datasets(datasets, verified_shards(data))
+        failed = verify_datasets(datasets, verified_shards(data), me=me, gather=gather)
     except DataError as err:
-        _stop_or_warn(data, str(err))
-
-
-def _stop_or_warn(data: DataConfig, error: str) -> None:
-    """A shard that failed its check stops the run, or with `data.skip_corrupt` is a warning."""
-    if not data.skip_corrupt:
-        raise DataError(error)
-    print(f"warning: {error}; reading on since data.skip_corrupt=true", file=sys.stderr)
-
-
-def verify_shards_together(
-    data: DataConfig, datasets: Sequence[DatasetInfo], setting: tuple[str, str]
-) -> None:
-    """`load_dataset`'s check of the shards of `datasets`, by all the processes of a run at
-    once, so that on shared storage each shard is read once among them (`shards_to_hash`), not
-    once by every host; process 0 first says in one line what they all read (`check_line`). A
-    shard that does not match stops every process, each with the same line where they share it
-    (`data.skip_corrupt`: a warning); one found unreadable, or differing in a host's own copy,
-    stops the others with a line naming that process (`setting`, the config key and value of
-    the data, says where). Every process reaches each all-gather, whatever it
-    finds. Call it on every process once `check_same_data` has passed: their datasets, and so
-    their lists of shards, are the same."""
-    shards = [(info, path, sha) for info in datasets for path, sha in info.checksums() if sha]
-    if not (data.verify_checksums and shards):
+        if not data.skip_corrupt:
+            raise
+        print(f"warning: {err}; reading on since data.skip_corrupt=true", file=sys.stderr)
         return
-    record, me = verified_shards(data), jax.process_index()
-    stamps = [_stamp(path) for _, path, _ in shards]
-    stamps_PxSx4, unchecked_PxS = _everyones_stamps(shards, stamps, record)
-    line = check_line(stamps_PxSx4, unchecked_PxS) if me == 0 else None
-    if line:  # one line for them all: process 0 has every process's stamps from the gather
-        print(line, file=sys.stderr)
-    shared_S, mine = shards_to_hash(stamps_PxSx4, unchecked_PxS, me)
-    with ThreadPoolExecutor() as pool:  # hashlib releases the GIL
-        hashed = dict(zip(mine, pool.map(lambda s: _hash(*shards[s]), mine), strict=True))
-    found_S = [hashed.get(s, (NOT_HASHED, ""))[0] for s in range(len(shards))]
-    found_PxS, _ = gather_rows(np.array(found_S, np.uint8))
-    matched_S = np.where(shared_S, (found_PxS == MATCHES).any(axis=0), found_PxS[me] == MATCHES)
-    for (_, path, sha), stamp, matched in zip(shards, stamps, matched_S, strict=True):
-        if matched:
-            record.add(path, stamp, sha)
-    record.save()
-    failed_PxS = found_PxS >= DIFFERS
-    differs_shared = np.flatnonzero(shared_S & (found_PxS == DIFFERS).any(axis=0))
-    if differs_shared.size:  # every process says it
-        info, path, _ = shards[differs_shared[0]]
-        _stop_or_warn(data, info.mismatch(path))
-    elif failed_PxS[me].any():
-        _stop_or_warn(data, hashed[np.flatnonzero(failed_PxS[me])[0]][1])
-    elif failed_PxS.any() and not data.skip_corrupt:  # that process says why
-        raise ConfigError(data_not_opened(np.flatnonzero(failed_PxS.any(axis=1))[0], *setting))
+    if failed is not None and setting is not None and not data.skip_corrupt:
+        raise ConfigError(data_not_opened(failed, *setting))
 
 
-def _everyones_stamps(
-    shards: list[tuple[DatasetInfo, Path, str]], stamps: list[Stamp], record: VerifiedShards
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every process's stamps of `shards`, and which of them neither its `record` nor prepare's
-    holds unchanged since they matched (`DatasetInfo.checked`: what `shards_to_hash` decides
-    from). Each process compares its own view: host-local copies are not prepare's files."""
-    mine_Sx5 = [
-        [*stamp, not info.checked(path, stamp, sha, record)]
-        for (info, path, sha), stamp in zip(shards, stamps, strict=True)
-    ]
-    everyone_PxSx5 = _gather_int64(np.array(mine_Sx5, np.int64))
-    return everyone_PxSx5[..., :4], everyone_PxSx5[..., 4] != 0
-
-
-def _stamp(path: Path) -> Stamp:
-    """`shared_stamp` of a shard; none (-1s) for one gone since it was listed (which its hash
-    then says)."""
-    try:
-        return shared_stamp(path)
-    except OSError:
-        return (-1, -1, -1, -1)
-
-
-def _hash(info: DatasetInfo, path: Path, sha256: str) -> tuple[int, str]:
-    """What hashing the shard at `path` finds, and the line saying what is wrong with it."""
-    try:
-        return (MATCHES if sha256_of(path) == sha256 else DIFFERS), info.mismatch(path)
-    except OSError as err:
-        return UNREADABLE, info.unreadable(path, err)
+verify_shards_together = verify_shards  # until trainer/train.py imports verify_shards
 
 
 def _gather_int64(mine: np.ndarray) -> np.ndarray:
@@ -426,7 +358,7 @@ def memory_caches(
     data: DataConfig, infos: dict[str, DatasetInfo], reading: Reading
 ) -> dict[str, dict[str, MemorySource]]:
     """With `data.cache=memory`, every split of every dataset read into RAM (checksums were
-    verified by `load_sources`, or are next, by `verify_shards_together`); a one-line error first
+    verified by `load_sources`, or are next, by `verify_shards`); a one-line error first
     when they do not fit in the memory this host has available."""
     if data.cache != "memory":
         return {name: {} for name in infos}
