@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,12 @@ from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
 from input_pipeline.errors import DataError
 from input_pipeline.mixture import mixture_sources
 from input_pipeline.packing import ConcatPackIterDataset, check_rows
-from input_pipeline.positions import NEW_RUN, check_position
+from input_pipeline.positions import NEW_RUN, check_position, check_within
 from input_pipeline.reading import Reading
 from input_pipeline.records import CheckedSource, DecodeRecord, MemorySource
 from input_pipeline.shares import EndOfShare, ShareUnreadable, UnreadableRecords, worker_share
 from input_pipeline.tfdata import tfdata_records
-from input_pipeline.tfrecords import READERS, grain_records, host_shards
+from input_pipeline.tfrecords import READERS, SHUFFLE_RECORDS, grain_records, host_shards
 from input_pipeline.workers import host_only_worker
 
 PACKING_MODES = ("concat", "first_fit")
@@ -314,7 +315,17 @@ def make_batch_iterator(
         options = grain.MultiprocessingOptions(num_workers=reading.workers)
         batches = batches.mp_prefetch(options, worker_init_fn=host_only_worker)
     layout = {"workers": reading.workers, "packing": packing, "reader": reader_of(info, reading)}
-    return LaidOutPosition(iter(batches), layout)
+    bounds = functools.partial(position_bounds, info, split, reading)
+    return LaidOutPosition(iter(batches), layout, bounds)
+
+
+def position_bounds(info: DatasetInfo, split: str, reading: Reading) -> dict[str, int]:
+    """The bounds of a position's values that only the chain knows (`check_within`): Grain's
+    TFRecord reader's byte offset into a shard, and its shuffle window's place."""
+    if reader_of(info, reading) != "grain":
+        return {}
+    largest = max((path.stat().st_size for path in info.shard_paths(split)), default=0)
+    return {"reader_offset": largest, "pos_in_window": SHUFFLE_RECORDS}
 
 
 def reader_of(info: DatasetInfo, reading: Reading) -> str:
@@ -330,9 +341,15 @@ class LaidOutPosition(grain.DatasetIterator):
     the reader. A position of one layout is no position of another, so resuming it with another
     is one line, refused before any state moves (before: a KeyError from deep in Grain)."""
 
-    def __init__(self, parent: grain.DatasetIterator, layout: dict[str, Any]):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        layout: dict[str, Any],
+        bounds: Callable[[], dict[str, int]] = dict,
+    ):
         super().__init__(parent)
         self.layout = layout
+        self.bounds = bounds  # computed at a resume only: it may stat every shard
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._parent)
@@ -351,6 +368,7 @@ class LaidOutPosition(grain.DatasetIterator):
             if value != self.layout[key]:
                 raise DataError(layout_changed(key, value, self.layout[key]))
         check_position(batches, self._parent.get_state(), "position.batches")
+        check_within(batches, self.bounds(), "position.batches")
         self._parent.set_state(batches)
 
     def __str__(self) -> str:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from input_pipeline.errors import DataError
@@ -107,8 +108,10 @@ def position_damage(position: Any, path: str = "position") -> str | None:
     so a damaged file is refused before Grain resumes elsewhere from it, or fails inside on it.
     Every number in a position counts or indexes something (streams, reads, records, offsets,
     rows, tokens, workers), so none is negative or infinite; a stream is one of the position's
-    `streams`; Grain's interleave (of shards, or of `data.workers`) points inside its own lists.
-    Reads only the position: its layout is `position_mismatch`'s to check."""
+    `streams`; Grain's interleave (of shards, or of `data.workers`) points inside its own lists;
+    no integer passes Grain's largest index (`MAX_COUNT`); a mixture gave each of its rows once.
+    Reads only the position: its layout is `position_mismatch`'s to check, and bounds only the
+    pipeline knows are `check_within`'s."""
     return next(_damages(position, path), None)
 
 
@@ -124,6 +127,8 @@ def _damages(node: Any, path: str) -> Iterator[str]:
     if isinstance(node, int | float):
         if not math.isfinite(node) or node < 0:
             yield f"{path} is {node}, not a count of 0 or more"
+        elif isinstance(node, int) and node > MAX_COUNT:
+            yield f"{path} is {node}, past the largest count a run keeps ({MAX_COUNT})"
         return
     if isinstance(node, list | tuple):
         for i, item in enumerate(node):
@@ -131,6 +136,8 @@ def _damages(node: Any, path: str) -> Iterator[str]:
         return
     if not isinstance(node, dict):
         return
+    if is_mixture(node):
+        yield from _mixture_damages(node, path)
     for key, value in node.items():
         if is_mixture(node) and key == "sources" and isinstance(value, dict):
             yield from _source_damages(value, f"{path}.{key}")
@@ -144,6 +151,21 @@ def _damages(node: Any, path: str) -> Iterator[str]:
         yield from _first_fit_damages(node, path)
     if _is_count(workers := node.get("workers")) and workers and "batches" in node:
         yield from _worker_damages(node["batches"], workers, f"{path}.batches")
+
+
+# Grain's largest index (a dataset's length, `sys.maxsize` for reads repeated forever); every
+# count in a position is an index or a 64-bit number, so a larger one was never written.
+MAX_COUNT = sys.maxsize
+
+
+def _mixture_damages(mixture: dict[str, Any], path: str) -> Iterator[str]:
+    """A mixture hands out each row from one source: the rows its sources gave (`taken`) add up
+    to the rows it handed out (`row`). Neither has a bound: reads repeat forever."""
+    row, taken = mixture["row"], mixture.get("taken")
+    if not (_is_count(row) and isinstance(taken, dict) and all(map(_is_count, taken.values()))):
+        return
+    if sum(taken.values()) != row:
+        yield f"{path}.row is {row}, not the {sum(taken.values())} rows its sources gave (taken)"
 
 
 def is_mixture(position: dict[str, Any]) -> bool:
@@ -223,3 +245,30 @@ def _first_fit_damages(state: dict[str, Any], path: str) -> Iterator[str]:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_within(position: Any, bounds: Mapping[str, int], path: str = "position") -> None:
+    """A `DamagedPositionError` for the first value of a key in `bounds` above its bound, where
+    the bound is one only the pipeline knows (e.g. a shard's size, a shuffle window's length):
+    a value past it would be read as the end of it, and resume elsewhere in silence."""
+    if (damage := next(_past_bounds(position, bounds, path), None)) is not None:
+        raise DamagedPositionError(damage)
+
+
+def _past_bounds(node: Any, bounds: Mapping[str, int], path: str) -> Iterator[str]:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _past_bounds(item, bounds, f"{path}[{i}]")
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in bounds and _is_count(value) and value > bounds[key]:
+            yield f"{path}.{key} is {value}, past the {bounds[key]} {BOUNDED.get(key, key)}"
+        yield from _past_bounds(value, bounds, f"{path}.{key}")
+
+
+# What each bounded value of `check_within` counts in, in its line's words
+BOUNDED = {
+    "reader_offset": "bytes of the largest TFRecord shard of its split",
+    "pos_in_window": "records of its shuffle window",
+}

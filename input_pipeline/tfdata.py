@@ -11,7 +11,9 @@ state, which is after every record. So the state is an *anchor* — the tf.data 
 taken at a parse-batch boundary — plus the number of records read since; restoring
 deserializes the anchor and reads that many records again. A new anchor is taken once the time
 since the last one exceeds `ANCHOR_COST_RATIO` times what it cost, which keeps the overhead
-near 2% and the re-read on restore to a few seconds of reading at most.
+near 2% and the re-read on restore to a few seconds of reading at most, or once
+`ANCHOR_RECORDS` records were read since: that bounds the count a run saves, so a larger one
+(a damaged file) is refused instead of re-read for hours.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import grain
 import numpy as np
 
 from input_pipeline.errors import DataError, damaged_shard
+from input_pipeline.positions import DamagedPositionError
 from input_pipeline.reading import Reading
 from input_pipeline.tfrecords import (
     FEATURE,
@@ -39,6 +42,7 @@ from input_pipeline.tfrecords import (
 
 PARSE_BATCH = 256  # serialized records per vectorized parse_example call
 ANCHOR_COST_RATIO = 50  # seconds between anchors / seconds one anchor costs
+ANCHOR_RECORDS = 1 << 18  # records read since the last anchor that take a new one at most
 
 
 def make_tf_dataset(
@@ -148,7 +152,9 @@ class _TfDataIterator(grain.DatasetIterator):
 
     def __next__(self) -> dict[str, np.ndarray]:
         if not self._pending:
-            if time.perf_counter() - self._anchored_at > ANCHOR_COST_RATIO * self._anchor_cost:
+            if self._since_anchor >= ANCHOR_RECORDS or (
+                time.perf_counter() - self._anchored_at > ANCHOR_COST_RATIO * self._anchor_cost
+            ):
                 self._reanchor()
             self._pending.extend(self._next_batch())
         self._since_anchor += 1
@@ -185,6 +191,7 @@ class _TfDataIterator(grain.DatasetIterator):
         return {"tf_iterator": self._anchor, "records_after": self._since_anchor}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        check_records_after(state["records_after"])
         tf = self._tf
         serialized = tf.io.parse_tensor(base64.b64decode(state["tf_iterator"]), tf.variant)
         tf.raw_ops.DeserializeIterator(
@@ -248,6 +255,17 @@ class _TfDataIterator(grain.DatasetIterator):
         if found > listed:
             return more_than_listed(path, listed)
         return _damaged(path, f"it ends after {found} of the {listed} records dataset.json lists")
+
+
+def check_records_after(records: int) -> None:
+    """A `DamagedPositionError` for more records since an anchor than a run reads before it
+    takes the next one (`ANCHOR_RECORDS`, checked between parse batches)."""
+    most = ANCHOR_RECORDS + PARSE_BATCH - 1
+    if records > most:
+        raise DamagedPositionError(
+            f"the tf.data reader's records_after is {records}, past the {most} records it reads "
+            "between two of its checkpoints"
+        )
 
 
 def _reason(err: Exception) -> str:
