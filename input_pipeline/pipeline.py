@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -315,17 +314,13 @@ def make_batch_iterator(
         options = grain.MultiprocessingOptions(num_workers=reading.workers)
         batches = batches.mp_prefetch(options, worker_init_fn=host_only_worker)
     layout = {"workers": reading.workers, "packing": packing, "reader": reader_of(info, reading)}
-    bounds = functools.partial(position_bounds, info, split, reading)
-    return LaidOutPosition(iter(batches), layout, bounds)
+    return LaidOutPosition(iter(batches), layout, position_bounds(info, reading))
 
 
-def position_bounds(info: DatasetInfo, split: str, reading: Reading) -> dict[str, int]:
-    """The bounds of a position's values that only the chain knows (`check_within`): Grain's
-    TFRecord reader's byte offset into a shard, and its shuffle window's place."""
-    if reader_of(info, reading) != "grain":
-        return {}
-    largest = max((path.stat().st_size for path in info.shard_paths(split)), default=0)
-    return {"reader_offset": largest, "pos_in_window": SHUFFLE_RECORDS}
+def position_bounds(info: DatasetInfo, reading: Reading) -> dict[str, int]:
+    """The bounds of a position's values that only the chain knows (`check_within`): the place
+    in Grain's TFRecord reader's shuffle window (a shard's byte offset its reader checks)."""
+    return {"pos_in_window": SHUFFLE_RECORDS} if reader_of(info, reading) == "grain" else {}
 
 
 def reader_of(info: DatasetInfo, reading: Reading) -> str:
@@ -345,11 +340,10 @@ class LaidOutPosition(grain.DatasetIterator):
         self,
         parent: grain.DatasetIterator,
         layout: dict[str, Any],
-        bounds: Callable[[], dict[str, int]] = dict,
+        bounds: dict[str, int] | None = None,
     ):
         super().__init__(parent)
-        self.layout = layout
-        self.bounds = bounds  # computed at a resume only: it may stat every shard
+        self.layout, self.bounds = layout, bounds or {}
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._parent)
@@ -368,7 +362,7 @@ class LaidOutPosition(grain.DatasetIterator):
             if value != self.layout[key]:
                 raise DataError(layout_changed(key, value, self.layout[key]))
         check_position(batches, self._parent.get_state(), "position.batches")
-        check_within(batches, self.bounds(), "position.batches")
+        check_within(batches, self.bounds, "position.batches")
         self._parent.set_state(batches)
 
     def __str__(self) -> str:

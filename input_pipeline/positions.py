@@ -269,6 +269,5 @@ def _past_bounds(node: Any, bounds: Mapping[str, int], path: str) -> Iterator[st
 
 # What each bounded value of `check_within` counts in, in its line's words
 BOUNDED = {
-    "reader_offset": "bytes of the largest TFRecord shard of its split",
     "pos_in_window": "records of its shuffle window",
 }

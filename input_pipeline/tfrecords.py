@@ -26,6 +26,7 @@ import numpy as np
 
 from input_pipeline.dataset_info import INFO_FILE, DatasetInfo
 from input_pipeline.errors import DataError, damaged_shard
+from input_pipeline.positions import DamagedPositionError
 from input_pipeline.reading import Reading
 from input_pipeline.records import Codec, SkipLog
 from input_pipeline.shares import EndOfShare, ShareUnreadable, worker_share
@@ -229,7 +230,13 @@ class _ShardIterator(grain.DatasetIterator):
         return {"reader_offset": self._records.offset}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._records.offset = state["reader_offset"]
+        offset, size = state["reader_offset"], self._records.size
+        if offset > size:  # read as the shard's end: the rest of it skipped in silence
+            raise DamagedPositionError(
+                f"the TFRecord reader's reader_offset is {offset}, past the {size} bytes of "
+                f"shard {self._shard.path}"
+            )
+        self._records.offset = offset
         self._framing = framed(self._records)
         self._whole = state.get("reader_offset", 0) == 0
         self._framed = 0
@@ -283,7 +290,7 @@ class CheckedRecords:
             self._reader = tf_record_random_reader(path)
         except tf.errors.OpError as err:
             raise OSError(err.message) from None
-        self._size = os.path.getsize(path)
+        self.size = os.path.getsize(path)
 
     def __iter__(self) -> CheckedRecords:
         return self
@@ -292,7 +299,7 @@ class CheckedRecords:
         try:
             record, self.offset = self._reader.read(self.offset)
         except IndexError:  # no whole header at `offset`: the end, or a cut inside a header
-            if self.offset >= self._size:
+            if self.offset >= self.size:
                 raise StopIteration from None
             raise DamagedRecordError(TRUNCATED, None) from None
         except self._lost:
@@ -312,7 +319,7 @@ class CheckedRecords:
             return TRUNCATED, None
         length, length_crc = struct.unpack("<QI", header)
         end = self.offset + 16 + length
-        if masked_crc32c(header[:8]) == length_crc and end <= self._size:
+        if masked_crc32c(header[:8]) == length_crc and end <= self.size:
             return CORRUPTED, end
         return TRUNCATED, None
 
