@@ -3,18 +3,21 @@
 `byte` needs nothing. `sentencepiece` is trained offline on the input text (or an existing
 `.model` file is used) and its model file is stored beside the shards, so the dataset folder
 alone is enough to decode what a model generates. `hf:PATH` copies a Hugging Face folder's
-`tokenizer.json` the same way and runs it with the `tokenizers` library, offline.
+`tokenizer.json` the same way and runs it with the `tokenizers` library, offline; a folder whose
+`tokenizer_config.json` says otherwise about the BOS is refused, as transformers versions differ
+on which file wins.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +39,36 @@ TRAINING_SENTENCES = 1_000_000
 # whole builds a Python int per token, tens of bytes each, before any numpy array.
 ENCODE_PIECE_CHARS = 1 << 20
 WORD_START_SPACE = re.compile(r"(?<=[^ ]) (?=[\s\S])")  # after a non-space, before something
+# A longer text is encoded by a Hugging Face tokenizer in pieces of about this many characters,
+# this many pieces a call: the library holds a few hundred bytes per token while it encodes.
+HF_PIECE_CHARS = 1 << 16
+HF_PIECES_PER_CALL = 8
+# Where `hf_cuts_exactly` tokenizers split a text into the same tokens as whole: after a newline
+# that follows a non-space and precedes a non-space (or one space and a non-space), and before a
+# space that precedes a letter (the pre-tokenizer starts a word with it).
+HF_CUT = re.compile(r"(?<=\S\n)(?= ?\S)|(?= [^\W\d_])")
+# Pre-tokenizer regexes that cut a text at every HF_CUT, whatever surrounds it: GPT-2's (also
+# ByteLevel's own with use_regex), Llama 3's (OpenAI's cl100k), Qwen 2's.
+CUTTING_REGEXES = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# Normalizers that map each character on its own, a space or newline to itself.
+LOCAL_NORMALIZERS = ("NFC", "NFD", "Lowercase")
+# Pre-tokenizers that split at every HF_CUT on their own, and ones that only split further or map
+# each split's characters (ByteLevel without its regex or a prefix space).
+CUTTING_PRE_TOKENIZERS = ("Whitespace", "WhitespaceSplit", "BertPreTokenizer")
+REFINING_PRE_TOKENIZERS = ("Digits", "Punctuation")
+# Post-processors that only put special tokens before and after a single text.
+WRAPPING_POST_PROCESSORS = (
+    "TemplateProcessing",
+    "BertProcessing",
+    "RobertaProcessing",
+    "ByteLevel",
+)
 
 
 class Tokenizer(Protocol):
@@ -128,43 +161,213 @@ class SentencePieceTokenizer:
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` run by the `tokenizers` library (fully offline); special
-    tokens its post-processor adds (a Llama BOS) are kept, as `transformers` adds them."""
+    tokens its post-processor adds (a Llama BOS) are kept, as `transformers` adds them. A long
+    text is encoded in pieces where the tokenizer's own splitting cuts it (`hf_cuts_exactly`),
+    so memory follows the piece size, not the largest document."""
 
     name = "hf"
 
-    def __init__(self, tokenizer_file: str | Path):
+    def __init__(self, tokenizer_file: str | Path, piece_chars: int = HF_PIECE_CHARS):
         from tokenizers import Tokenizer as RustTokenizer
 
         self.model_file = Path(tokenizer_file)
         try:
             self._tok = RustTokenizer.from_file(str(self.model_file))
+            settings = json.loads(self.model_file.read_text(encoding="utf-8"))
         except Exception as err:  # the library raises its own untyped exceptions
             raise DataError(
                 f"{self.model_file} is not a readable Hugging Face tokenizer.json ({err})"
             ) from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.config = hf_config(self.model_file.with_name(HF_TOKENIZER_CONFIG))
         self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
+        self.ends = special_ends(self._tok)  # the ids its post-processor puts around a text
+        cuts = self.ends is not None and hf_cuts_exactly(settings)
+        self.piece_chars = piece_chars if cuts else None
+
+    def special_token(self, role: str) -> str | None:
+        """A token tokenizer_config.json names (`bos_token`, `eos_token`), if any."""
+        token = self.config.get(role)
+        return token.get("content") if isinstance(token, dict) else token
 
     def _special_id(self, role: str) -> int | None:
-        """An id named in the tokenizer_config.json beside tokenizer.json, if any."""
-        config_file = self.model_file.with_name(HF_TOKENIZER_CONFIG)
-        if not config_file.is_file():
-            return None
-        token = json.loads(config_file.read_text()).get(role)
-        token = token.get("content") if isinstance(token, dict) else token
+        token = self.special_token(role)
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
+        limit = self.piece_chars
+        short = [text for text in texts if limit is None or len(text) <= limit]
+        encoded = iter(self._tok.encode_batch(short) if short else [])
+        return [
+            np.asarray(next(encoded).ids, dtype=np.int64)
+            if limit is None or len(text) <= limit
+            else self._encode_in_pieces(text, limit)
+            for text in texts
+        ]
+
+    def _encode_in_pieces(self, text: str, size: int) -> np.ndarray:
+        """The ids of a long `text`, equal to encoding it whole: its pieces' ids between the
+        special tokens the post-processor puts around a text."""
+        assert self.ends is not None
+        before, after = self.ends
+        arrays = [np.asarray(before, dtype=np.uint32)]
+        pieces = hf_pieces(text, size)
+        while batch := list(itertools.islice(pieces, HF_PIECES_PER_CALL)):
+            encoded = self._tok.encode_batch(batch, add_special_tokens=False)
+            arrays += [np.asarray(e.ids, dtype=np.uint32) for e in encoded]  # the library's type
+        return np.concatenate([*arrays, np.asarray(after, dtype=np.uint32)], dtype=np.int64)
 
     def decode(self, ids: np.ndarray) -> str:
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
 
     def spec(self) -> dict[str, Any]:
         return model_file_spec(self.name, self.vocab_size, self.model_file)
+
+
+def hf_config(config_file: Path) -> dict[str, Any]:
+    """The settings of the tokenizer_config.json beside a tokenizer.json ({} without one)."""
+    if not config_file.is_file():
+        return {}
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{config_file} is not valid JSON ({err}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{config_file} is not a JSON object; fix or remove it")
+    return config
+
+
+def bos_disagreement(tokenizer: HFTokenizer) -> str | None:
+    """How a folder's tokenizer_config.json contradicts the BOS its tokenizer.json puts before
+    a text (None: they agree, or the config is silent). transformers does not settle it alike:
+    4.x's LlamaTokenizerFast rebuilds the post-processor from the config, its
+    PreTrainedTokenizerFast and 5.x keep tokenizer.json's and report the config's bos_token."""
+    if tokenizer.ends is None:
+        return None
+    first = tokenizer.ends[0][:1]
+    added = tokenizer._tok.id_to_token(first[0]) if first else None
+    add_bos, named = tokenizer.config.get("add_bos_token"), tokenizer.special_token("bos_token")
+    puts = f"{HF_TOKENIZER_FILE} puts {added} before every text, but {HF_TOKENIZER_CONFIG}"
+    which = (
+        "(transformers 4's LlamaTokenizerFast follows the config, its PreTrainedTokenizerFast "
+        "and transformers 5 the tokenizer.json)"
+    )
+    post_processor = f"{HF_TOKENIZER_FILE}'s post_processor"
+    if add_bos is False and added:
+        return (
+            f"{puts} says add_bos_token=false {which}; make them agree: set add_bos_token to "
+            f"true, or take {added} out of {post_processor}"
+        )
+    if add_bos is True and not added:
+        return (
+            f"{HF_TOKENIZER_FILE} puts no BOS before a text, but {HF_TOKENIZER_CONFIG} says "
+            f"add_bos_token=true {which}; make them agree: set add_bos_token to false, or put "
+            f"{named or 'the BOS'} first in {post_processor}"
+        )
+    if added and named is not None and named != added:
+        return (
+            f"{puts} names {named} as bos_token (transformers adds the one and reports the "
+            f"other as the BOS id); make them agree: set bos_token to {added}, or put {named} "
+            f"first in {post_processor}"
+        )
+    return None
+
+
+def hf_pieces(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of at least `size` characters (the last may be shorter), each cut at
+    the first HF_CUT past that; a stretch without one stays in its piece, however long."""
+    start = 0
+    while len(text) - start > size:
+        cut = HF_CUT.search(text, start + size)
+        if cut is None:
+            break
+        yield text[start : cut.start()]
+        start = cut.start()
+    yield text[start:]
+
+
+def hf_cuts_exactly(settings: dict[str, Any]) -> bool:
+    """Whether this tokenizer.json encodes the pieces of `hf_pieces` to the whole text's ids
+    (less the post-processor's special tokens): characters normalized one at a time, a
+    pre-tokenizer that splits at every cut the same whatever lies past it, a model that
+    tokenizes each split alone (all do), no added token spanning a cut, no truncation."""
+    added = settings.get("added_tokens") or []
+    return (
+        settings.get("truncation") is None
+        and settings.get("padding") is None
+        and _is_local(settings.get("normalizer"))
+        and _cuts_at_hf_cuts(settings.get("pre_tokenizer"))
+        and not any(_may_span_a_cut(token) for token in added)
+        and _kind(settings.get("post_processor")) in (None, *WRAPPING_POST_PROCESSORS)
+    )
+
+
+def _kind(component: dict[str, Any] | None) -> str | None:
+    return None if component is None else component.get("type")
+
+
+def _steps(component: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's steps: a Sequence's, or itself alone."""
+    if component is None:
+        return []
+    if _kind(component) == "Sequence":
+        return component.get("normalizers") or component.get("pretokenizers") or []
+    return [component]
+
+
+def _is_local(normalizer: dict[str, Any] | None) -> bool:
+    return all(_kind(step) in LOCAL_NORMALIZERS for step in _steps(normalizer))
+
+
+def _cuts_at_hf_cuts(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """The first step splits at every HF_CUT (seeing the whole text: a split before it would
+    end the text its regex sees), and no later one undoes a split or adds a character."""
+    steps = _steps(pre_tokenizer)
+    return bool(steps) and _cuts(steps[0]) and all(_cuts(s) or _refines(s) for s in steps[1:])
+
+
+def _cuts(step: dict[str, Any]) -> bool:
+    kind = _kind(step)
+    if kind == "ByteLevel":
+        return step.get("use_regex", True) and not step.get("add_prefix_space", True)
+    if kind == "Split":
+        return (
+            step.get("pattern", {}).get("Regex") in CUTTING_REGEXES
+            and step.get("behavior") == "Isolated"
+            and not step.get("invert", False)
+        )
+    return kind in CUTTING_PRE_TOKENIZERS
+
+
+def _refines(step: dict[str, Any]) -> bool:
+    if _kind(step) == "ByteLevel":
+        return not step.get("use_regex", True) and not step.get("add_prefix_space", True)
+    return _kind(step) in REFINING_PRE_TOKENIZERS
+
+
+def _may_span_a_cut(token: dict[str, Any]) -> bool:
+    """An added token that could match across a cut: it holds a space and a non-space, or it
+    takes the spaces beside it (lstrip, rstrip)."""
+    content = token.get("content", "")
+    mixed = any(c.isspace() for c in content) and not content.isspace()
+    return mixed or token.get("lstrip", False) or token.get("rstrip", False)
+
+
+def special_ends(tok: Any) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after a text's own (a BOS, say), or None
+    when it does more than wrap the text."""
+    probe = "a b"
+    bare = tok.encode(probe, add_special_tokens=False).ids
+    wrapped = tok.encode(probe).ids
+    if not bare:  # a text with no ids of its own cannot tell where the special ones go
+        return None
+    for start in range(len(wrapped) - len(bare) + 1):
+        if wrapped[start : start + len(bare)] == bare:
+            return wrapped[:start], wrapped[start + len(bare) :]
+    return None
 
 
 def model_proto(processor: Any) -> Any | None:
@@ -271,6 +474,8 @@ def make_tokenizer(
         source = Path(choice[len(HF_PREFIX) :])
         if not (source / HF_TOKENIZER_FILE).is_file():
             raise DataError(f"--tokenizer hf:{source}: no {HF_TOKENIZER_FILE} in that folder")
+        if reason := bos_disagreement(HFTokenizer(source / HF_TOKENIZER_FILE)):
+            raise DataError(f"--tokenizer hf:{source}: {reason}")
         for name in (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG):
             if (source / name).is_file():
                 shutil.copyfile(source / name, folder / name)

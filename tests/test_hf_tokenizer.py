@@ -20,6 +20,7 @@ from input_pipeline.tokenizers import (
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
+    bos_disagreement,
     get_tokenizer,
 )
 from trainer.hf.tokenizer import (
@@ -219,3 +220,58 @@ def test_a_start_from_a_byte_level_export_on_byte_level_data_does_not_warn(tmp_p
     hf.mkdir()
     shutil.copyfile(HF_TOKENIZER_JSON, hf / "tokenizer.json")
     assert "tokenized with another (byte)" in other_tokenizer_warning(f"hf:{hf}", ByteTokenizer())
+
+
+# A folder whose tokenizer_config.json says add_bos_token=false beside a tokenizer.json that puts
+# <|begin_of_text|> before every text (hf_tiny_llama's): checked in scratch environments,
+# transformers 4.57.6's LlamaTokenizerFast gave [66, 67] for "ab", its PreTrainedTokenizerFast
+# and 5.24.0 gave [0, 66, 67]; with bos_token <|end_of_text|> all three reported bos_token_id 1.
+BOS_DISAGREE = FIXTURES / "hf_bos_disagree"
+PUTS_BOS = "tokenizer.json puts <|begin_of_text|> before every text, but tokenizer_config.json"
+
+
+def test_a_folder_whose_two_files_disagree_on_the_bos_is_refused_in_one_line(tmp_path, capsys):
+    """Before: prepare kept tokenizer.json's BOS without a word, so the data began with an id
+    transformers 4's LlamaTokenizerFast never adds for that folder."""
+    from input_pipeline.prepare import main as prepare_main
+
+    (tmp_path / "a.txt").write_text("some text to tokenize\n" * 20)
+    args = ["--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out")]
+    assert prepare_main([*args, "--tokenizer", f"hf:{BOS_DISAGREE}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"--tokenizer hf:{BOS_DISAGREE}: {PUTS_BOS} says add_bos_token=false" in err
+    assert "set add_bos_token to true, or take <|begin_of_text|> out of" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"add_bos_token": True}, None),
+        ({"add_bos_token": False}, f"{PUTS_BOS} says add_bos_token=false"),
+        ({"bos_token": "<|end_of_text|>"}, f"{PUTS_BOS} names <|end_of_text|> as bos_token"),
+        ({"bos_token": {"content": "<|begin_of_text|>"}}, None),
+        ({}, None),
+    ],
+)
+def test_the_bos_of_tokenizer_config_is_checked_against_tokenizer_json(tmp_path, config, says):
+    folder = bare_hf_folder(tmp_path / "source")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    reason = bos_disagreement(HFTokenizer(folder / "tokenizer.json"))
+    assert reason == says if says is None else reason.startswith(says)
+
+
+def test_a_config_asking_for_a_bos_tokenizer_json_never_adds_is_named(tmp_path):
+    folder = tmp_path / "source"
+    folder.mkdir()
+    settings = json.loads(HF_TOKENIZER_JSON.read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**settings, "post_processor": None}))
+    config = {"add_bos_token": True, "bos_token": "<|begin_of_text|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert bos_disagreement(HFTokenizer(folder / "tokenizer.json")) == (
+        "tokenizer.json puts no BOS before a text, but tokenizer_config.json says "
+        "add_bos_token=true (transformers 4's LlamaTokenizerFast follows the config, its "
+        "PreTrainedTokenizerFast and transformers 5 the tokenizer.json); make them agree: set "
+        "add_bos_token to false, or put <|begin_of_text|> first in tokenizer.json's post_processor"
+    )
