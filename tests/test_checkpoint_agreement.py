@@ -47,6 +47,11 @@ def unseen_here(real):
     return lambda path: False if folder.parent in (path, *path.parents) else real(path)
 
 
+def unlisted_here(real):
+    # A listing of the checkpoint folder that lags: what was renamed in it is not there yet.
+    return lambda path, *args, **kwargs: iter(()) if path == folder else real(path, *args, **kwargs)
+
+
 def no_room_here(real, where):
     # A shared disk read a moment later than the other process did: full.
     empty = shutil._ntuple_diskusage(1 << 40, 1 << 40, 0)
@@ -144,6 +149,70 @@ try:
             os.mkdir = refused_here(os.mkdir)
         Checkpointer(folder, CheckpointConfig()).close()
         print("created", file=said)
+    elif case == "fresh_start_damaged_listed_late":  # step 1 was set aside as damaged
+        from types import SimpleNamespace
+
+        from trainer.train import restore_or_init
+
+        (folder / "1.damaged").mkdir(parents=True, exist_ok=True)
+        if here == 1:  # its listing of the folder not refreshed yet since the rename
+            Path.glob = unlisted_here(Path.glob)
+        checkpointer = Checkpointer(folder, CheckpointConfig())
+        config = SimpleNamespace(checkpoint=SimpleNamespace(init_from=""))
+        program = SimpleNamespace(abstract_state=lambda: state, init=lambda: state)
+        try:
+            _, start, _ = restore_or_init(config, checkpointer, program, None, None)
+            print(f"started afresh at step {start}", file=said)
+        finally:
+            checkpointer.close()
+    elif case == "unexpected_errors":  # a bug on one process at each step that reads storage
+        import traceback
+        from types import SimpleNamespace
+
+        from input_pipeline.errors import DataError
+        from trainer.train import (
+            hf_params_on_every_process,
+            open_same_data,
+            resume_position_on_every_process,
+        )
+
+        def outcome(call):
+            try:
+                call()
+                return "went on"
+            except (ConfigError, DataError, TrainingError) as err:
+                return f"error: {err}"
+            except Exception as err:  # its own, unchanged: raised where its last frame says
+                raised_in = traceback.extract_tb(err.__traceback__)[-1].name
+                return f"{type(err).__name__} from {raised_in}"
+
+        def set_state(position):  # a Grain iterator's
+            if here == 1:
+                raise IndexError("list index out of range")
+
+        def load_params(path, target):
+            if here == 0:
+                raise KeyError("model.embed.weight")
+            return target
+
+        def open_sources():
+            if here == 1:
+                raise AttributeError("'NoneType' object has no attribute 'shards'")
+
+        def _check_writable(checkpointer, doing):  # once its manager is open (past Orbax's barrier)
+            raise RuntimeError("a bug")
+
+        if here == 0:
+            Checkpointer._check_writable = _check_writable
+        batches, config = SimpleNamespace(set_state=set_state), SimpleNamespace(to_dict=dict)
+        calls = [
+            lambda: resume_position_on_every_process(batches, {}, folder / "1", {}, config),
+            lambda: hf_params_on_every_process("hf:w", "w", load_params, params, replicated.mesh),
+            lambda: open_same_data(SimpleNamespace(mixture=None, path="w"), open_sources, True),
+            lambda: Checkpointer(folder, CheckpointConfig()).close(),
+        ]
+        for call in calls:
+            print(outcome(call), file=said)
 except (ConfigError, TrainingError) as err:
     print(f"error: {err}", file=said)
 print("folder: " + ("there" if folder.exists() else "absent"), file=said)
@@ -321,4 +390,60 @@ def test_a_hugging_face_folder_one_process_cannot_read_stops_every_process_in_on
             "folder: absent",
         ],
         [f"error: hf:{hf} has no *.safetensors files; download the weights", "folder: absent"],
+    ], printed
+
+
+@pytest.mark.slow
+def test_a_damaged_step_one_process_does_not_list_stops_every_process(tmp_path, repo_root):
+    """No step listed, one set aside as damaged, which process 1's listing does not show yet.
+    Before: process 0 stopped (a run never starts afresh over damaged checkpoints) while
+    process 1 started afresh, each its own way."""
+    said, printed = on_two_processes(tmp_path, repo_root, "fresh_start_damaged_listed_late")
+    folder = tmp_path / "run" / "checkpoints"
+    advice = (
+        "start fresh with another run.workdir, or repair them (rename a repaired one back to its "
+        "step number) and re-run"
+    )
+    assert said == [
+        [
+            f"error: no checkpoint in {folder} restores (damaged ones moved aside: 1.damaged); "
+            + advice,
+            "folder: there",
+        ],
+        [f"error: no checkpoint in {folder} restores; {advice}", "folder: there"],
+    ], printed
+
+
+def unexpected_on(process: int, doing: str) -> str:
+    """What the other processes say when `process` met an error that is not a user's."""
+    return (
+        f"error: process {process} met an unexpected error while {doing} (its own log has the "
+        "traceback, a bug to report); every process stopped with it"
+    )
+
+
+@pytest.mark.slow
+def test_an_unexpected_error_on_one_process_stops_every_process(tmp_path, repo_root):
+    """A bug (or a library's unexpected error, as Grain's IndexError) while one process puts
+    back its data position, reads a Hugging Face folder, opens its data or its checkpoint
+    folder: that one raises it unchanged (its traceback is the report), the others stop with a
+    line naming it. Before: only a user's error was agreed; the one that met a bug stopped
+    alone while the others went on to their next collective."""
+    said, printed = on_two_processes(tmp_path, repo_root, "unexpected_errors")
+    folder = tmp_path / "run" / "checkpoints"
+    assert said == [
+        [
+            unexpected_on(1, f"putting back its data position from checkpoint {folder / '1'}"),
+            "KeyError from load_params",
+            unexpected_on(1, "opening its data at data.path=w"),
+            "RuntimeError from _check_writable",
+            "folder: there",
+        ],
+        [
+            "IndexError from set_state",
+            unexpected_on(0, "reading checkpoint.init_from=hf:w"),
+            "AttributeError from open_sources",
+            unexpected_on(0, f"opening checkpoint folder {folder}"),
+            "folder: there",
+        ],
     ], printed

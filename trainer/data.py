@@ -319,9 +319,6 @@ def verify_shards(
         raise ConfigError(data_not_opened(failed, *setting))
 
 
-verify_shards_together = verify_shards  # until trainer/train.py imports verify_shards
-
-
 def _gather_int64(mine: np.ndarray) -> np.ndarray:
     """Every process's `mine` (int64), stacked: sent as bytes, since JAX holds only 32-bit
     integers unless told otherwise."""

@@ -26,7 +26,7 @@ from trainer.data import (
     skip_log_path,
     stream_count,
     user_sources,
-    verify_shards_together,
+    verify_shards,
 )
 from trainer.errors import ConfigError, TrainingError
 from trainer.hf import hf_folder
@@ -40,11 +40,11 @@ from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
 from trainer.parallel.distributed import (
-    DATA_NOT_OPENED,
     check_same_config,
     check_same_data,
     check_shared_workdir,
-    stop_every_process_if,
+    data_not_opened,
+    stop_every_process_on_error,
 )
 from trainer.parallel.pipeline import PipelineSpec
 from trainer.parallel.state import TrainState
@@ -175,13 +175,11 @@ def open_same_data(
     batches are each host's own rows), whose shards the processes then check together; a
     process whose data does not open, or does not pass that check, stops the others too."""
     setting = data_setting(data)
-    try:
+    opening = f"opening its data at {setting[0]}={setting[1]}"
+    with stop_every_process_on_error(opening, lambda p: ConfigError(data_not_opened(p, *setting))):
         sources = open_sources()
-    except (ConfigError, DataError, TrainingError):
-        check_same_data(DATA_NOT_OPENED, *setting)  # the others stop; this one says why
-        raise
     check_same_data(sources.fingerprint if prepared else None, *setting)
-    verify_shards_together(data, sources.unchecked, setting)
+    verify_shards(data, sources.unchecked, setting)
     return sources
 
 
@@ -310,8 +308,7 @@ def restore_or_init(
     the step and the metadata saved with it (empty for a fresh start). Damaged checkpoints are
     moved aside; a run never starts afresh over them. Without either, `checkpoint.init_from`
     names the run or folder whose parameters start it."""
-    newest = checkpointer.newest_step()
-    if newest is None and not checkpointer.damaged():
+    if checkpointer.nothing_to_resume():
         if config.checkpoint.init_from:
             return init_from(config.checkpoint.init_from, program, spec), 0, {}
         return program.init(), 0, {}
@@ -329,20 +326,8 @@ def resume_position_on_every_process(
     train_iter: Any, data_state: Any, step_folder: Path, meta: dict[str, Any], config: Config
 ) -> None:
     """Put this process's data position back (each reads its own file), or stop every process
-    when one refuses its own: the others would go on to their first step's collectives and wait
-    there until JAX's coordination service aborted them."""
-    refusal = None
-    if resumes_position(train_iter):  # else it starts again; `announce` says so
-        try:
-            data_checkpointing.resume_position(
-                train_iter,
-                data_state,
-                step_folder,
-                saved_config=meta.get("config"),
-                config=config.to_dict(),
-            )
-        except DataError as err:
-            refusal = err
+    when one refuses its own or fails otherwise: the others would go on to their first step's
+    collectives and wait there until JAX's coordination service aborted them."""
 
     def elsewhere(process: int) -> DataError:
         return DataError(
@@ -350,7 +335,16 @@ def resume_position_on_every_process(
             "line says why and what to do); nothing in it was changed"
         )
 
-    stop_every_process_if(refusal, elsewhere)  # on every process, whatever its iterator
+    doing = f"putting back its data position from checkpoint {step_folder}"
+    with stop_every_process_on_error(doing, elsewhere):  # on every process, whatever its iterator
+        if resumes_position(train_iter):  # else it starts again; `announce` says so
+            data_checkpointing.resume_position(
+                train_iter,
+                data_state,
+                step_folder,
+                saved_config=meta.get("config"),
+                config=config.to_dict(),
+            )
 
 
 def with_this_runs_loss_scale(state: TrainState, program: TrainProgram) -> TrainState:
@@ -403,19 +397,8 @@ def hf_params_on_every_process(
     path: str, folder: str, load_params: Callable[[str, Any], Any], target: Any, mesh: Mesh
 ) -> Any:
     """`load_params(folder, target)`, or a stop on every process when one cannot read the folder
-    (its host lacks it, or reads it otherwise): the others would go on to the first step's
-    collectives and wait there until JAX's coordination service aborted them."""
-    params, refusal = None, None
-    with jax.set_mesh(mesh):
-        try:
-            params = load_params(folder, target)
-        except ConfigError as err:
-            refusal = err
-        except OSError as err:
-            refusal = ConfigError(
-                f"cannot read checkpoint.init_from={path} ({err.strerror}); check the storage "
-                "it is on, or download the weights again"
-            )
+    (its host lacks it, or reads it otherwise) or fails otherwise: the others would go on to the
+    first step's collectives and wait there until JAX's coordination service aborted them."""
 
     def elsewhere(process: int) -> ConfigError:
         return ConfigError(
@@ -423,5 +406,12 @@ def hf_params_on_every_process(
             "why); every host must see the same folder at that path"
         )
 
-    stop_every_process_if(refusal, elsewhere)
-    return params
+    with stop_every_process_on_error(f"reading checkpoint.init_from={path}", elsewhere):
+        try:
+            with jax.set_mesh(mesh):
+                return load_params(folder, target)
+        except OSError as err:
+            raise ConfigError(
+                f"cannot read checkpoint.init_from={path} ({err.strerror}); check the storage "
+                "it is on, or download the weights again"
+            ) from None

@@ -50,6 +50,7 @@ from trainer.errors import ConfigError, TrainingError
 from trainer.parallel.distributed import (
     gather_rows,
     stop_every_process_if,
+    stop_every_process_on_error,
     stop_every_process_with_kind,
 )
 from trainer.parallel.state import TrainState
@@ -114,15 +115,13 @@ class Checkpointer(StepReader):
     def _open_on_every_process(self, create: bool) -> None:
         """`self.manager`, opened (and, when `create`, found to take new files: a run that
         cannot save should not train) on every process, or on none."""
-        try:
+        opening = f"opening checkpoint folder {self.directory}"
+        elsewhere = functools.partial(_stopped_elsewhere, doing="open", directory=self.directory)
+        with contextlib.ExitStack() as opened, stop_every_process_on_error(opening, elsewhere):
             self.manager = self._open_manager_or_refuse()
+            opened.enter_context(closed_on_error(self.manager))  # also when another one failed
             if create:
-                with closed_on_error(self.manager):
-                    self._check_writable("starting the run")
-        except TrainingError as err:
-            _stop_every_process_if(err, "open", self.directory)  # raises: each asks once
-        with closed_on_error(self.manager):
-            _stop_every_process_if(None, "open", self.directory)
+                self._check_writable("starting the run")
 
     def _open_manager_or_refuse(self) -> ocp.CheckpointManager:
         """A new manager, or one line: a folder that exists failed to be read (its listing
@@ -167,14 +166,25 @@ class Checkpointer(StepReader):
         self._same_step_on_every_process(step)
         return step
 
-    def _same_step_on_every_process(self, step: int | None) -> None:
+    def nothing_to_resume(self) -> bool:
+        """Whether no step is listed and none was set aside as damaged (a run never starts afresh
+        over them), agreed by every process in the all-gather of the newest step (`newest_step`'s):
+        a host whose listing of `*.damaged` lagged started afresh while the others stopped."""
+        step = self.latest_step()
+        seen = step is None and bool(self.damaged())
+        damaged_anywhere = self._same_step_on_every_process(step, damaged=seen)
+        return step is None and not damaged_anywhere
+
+    def _same_step_on_every_process(self, step: int | None, damaged: bool = False) -> bool:
         """Stop every process unless each is about to read the same `step` (None: it lists none,
         or none older): a host whose listing of the shared folder lags (a network filesystem's
         cache) read another step than the others, and the model's shards came from two steps,
-        or it started afresh while they restored."""
-        steps, other = gather_rows(np.array(-1 if step is None else step, np.int32))
-        if other is None:
-            return
+        or it started afresh while they restored. Returns whether any process gave `damaged`."""
+        mine = np.array([-1 if step is None else step, damaged], np.int32)
+        everyone, _ = gather_rows(mine)
+        steps = everyone[:, 0]
+        if (steps == steps[0]).all():
+            return bool(everyone[:, 1].any())
         listed = ", ".join(
             f"process {i}: {'none' if s < 0 else f'step {s}'}" for i, s in enumerate(steps)
         )
@@ -206,7 +216,8 @@ class Checkpointer(StepReader):
         run's own folder, moved aside to `<step>.damaged` (never deleted); then the next older one
         is tried. Any other failure (a read error of the storage, memory, an interrupt, a config
         to fix, a bug) ends the search with every checkpoint left in place (`_try_restore`).
-        `newest_agreed`: the caller's `newest_step()` agreed the newest of all steps already."""
+        `newest_agreed`: the caller's `newest_step()` (or `nothing_to_resume()`) agreed the newest
+        of all steps already."""
         listed = sorted(self.manager.all_steps() if steps is None else steps, reverse=True)
         agreed = newest_agreed and steps is None
         for tried, step in enumerate(listed):

@@ -14,7 +14,9 @@ task"); Ctrl-C while they are awaited is one line too (exit 130). `check_same_co
 `check_shared_workdir`, for the CLI to call once joined, catch processes given different configs
 or a host-local `run.workdir` (either hangs the first checkpoint save, or trains silently
 different replicas), and `check_same_data` a host-local copy of the dataset that differs from
-process 0's (it trains silently on other data) or does not open (the others wait for it).
+process 0's (it trains silently on other data). `stop_every_process_on_error` stops every process
+when a step that reads storage (the data, a checkpoint) fails on one: the others would wait for it
+in their next collective.
 
 A dead peer never hangs the job: a process whose peers have not all joined within
 `JAX_INIT_TIMEOUT_S` (300) seconds ends (exit 2), and the runtime's own machinery aborts every
@@ -28,6 +30,7 @@ watchdog (`trainer/observe/watchdog.py`, `run.step_timeout_s`) ends every proces
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import math
@@ -44,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from input_pipeline.errors import DataError
 from trainer.errors import ConfigError, TrainingError, exit_now
 
 INIT_TIMEOUT_S = 300
@@ -56,6 +60,8 @@ SHUTDOWN_TIMEOUT_S = 300
 # and a Ctrl-C before anything was saved.
 NOT_JOINED_EXIT = 2
 INTERRUPTED_EXIT = 130
+# What the CLI ends in one line (exit 2): what a user can fix.
+USER_ERRORS = (ConfigError, DataError, TrainingError)
 # What JAX's Slurm detection reads in each task of an `srun` step.
 SLURM_VARS = (
     "SLURM_JOB_ID",
@@ -359,12 +365,50 @@ def stop_every_process_with_kind(
     """`stop_every_process_if`, whose one all-gather also carries `kind` (a positive number the
     caller gives the kind of `failure`), so that `elsewhere(p, kind of p's failure)` gives the
     others a line that fits what process p met."""
-    everyone, _ = gather_rows(np.array(kind if failure is not None else 0, np.int32))
-    failed = np.flatnonzero(everyone)
+    first = _first_to_stop(kind if failure is not None else 0)
     if failure is not None:
         raise failure
-    if failed.size:
-        raise elsewhere(int(failed[0]), int(everyone[failed[0]]))
+    if first is not None:
+        raise elsewhere(*first)
+
+
+# What a process met in a `stop_every_process_on_error` block, as the others are told: a user's
+# error (its own one line says why) or another (a bug: its traceback says where).
+USER_ERROR, UNEXPECTED_ERROR = 1, 2
+
+
+@contextlib.contextmanager
+def stop_every_process_on_error(
+    doing: str, elsewhere: Callable[[int], Exception]
+) -> Iterator[None]:
+    """Run the block on every process; when it raises on any, every process stops at its end:
+    that one with its own exception, unchanged, and the others with `elsewhere(p)` for a user's
+    error on process p, or a line naming p's unexpected error while `doing`. A process that
+    stopped alone left the others waiting in their next collective until JAX's coordination
+    service aborted them."""
+    try:
+        yield
+    except Exception as err:
+        _first_to_stop(USER_ERROR if isinstance(err, USER_ERRORS) else UNEXPECTED_ERROR)
+        raise
+    first = _first_to_stop(0)
+    if first is None:
+        return
+    process, kind = first
+    if kind == USER_ERROR:
+        raise elsewhere(process)
+    raise TrainingError(
+        f"process {process} met an unexpected error while {doing} (its own log has the "
+        "traceback, a bug to report); every process stopped with it"
+    )
+
+
+def _first_to_stop(kind: int) -> tuple[int, int] | None:
+    """The first process that gave a `kind` other than 0 (this one's, 0: it goes on), and its
+    kind; None when none did: one small all-gather."""
+    everyone, _ = gather_rows(np.array(kind, np.int32))
+    failed = np.flatnonzero(everyone)
+    return (int(failed[0]), int(everyone[failed[0]])) if failed.size else None
 
 
 def check_same_config(config: Mapping[str, Any]) -> None:
@@ -391,28 +435,23 @@ def check_same_config(config: Mapping[str, Any]) -> None:
 # Room for a dataset fingerprint (`DatasetInfo.fingerprint`: 16 hex characters) in the all-gather.
 FINGERPRINT_BYTES = 64
 NO_FINGERPRINT = "none (batches passed to trainer.run)"
-DATA_NOT_OPENED = "!"  # what a process whose data did not open gives `check_same_data`
 
 
 def check_same_data(fingerprint: str | None, setting: str, value: str) -> None:
     """Every process must read the same prepared dataset: a host-local copy that is stale or
-    prepared with other settings trains silently on other data, and a process whose copy does
-    not open (half-copied) leaves the others waiting in their first collective. `fingerprint`
-    is the run's data identity, None for a caller's own batches (each host's own rows: nothing
-    to compare but their kind), `DATA_NOT_OPENED` where the data raised an error, which this
-    process then raises itself; `setting`=`value` says where the data comes from, e.g.
-    `data.path`, `data/web`. Call it on every process once the data is open; a no-op alone."""
+    prepared with other settings trains silently on other data. `fingerprint` is the run's data
+    identity, None for a caller's own batches (each host's own rows: nothing to compare but
+    their kind); `setting`=`value` says where the data comes from, e.g. `data.path`,
+    `data/web`. Call it on every process once the data is open; a no-op alone."""
     import jax
 
     if jax.process_count() == 1:
         return
     mine = (fingerprint or "").encode()[:FINGERPRINT_BYTES].ljust(FINGERPRINT_BYTES, b"\0")
     everyone, other = gather_rows(np.frombuffer(mine, np.uint8))
-    if other is None or fingerprint == DATA_NOT_OPENED:
+    if other is None:
         return
     fingerprints = [_fingerprint_in(row) for row in everyone]
-    if DATA_NOT_OPENED in fingerprints:
-        raise ConfigError(data_not_opened(fingerprints.index(DATA_NOT_OPENED), setting, value))
     raise ConfigError(
         f"process {other} reads other data than process 0 at {setting}={value} (dataset "
         f"fingerprint {fingerprints[other]}; process 0's {fingerprints[0]}); give every host the "
