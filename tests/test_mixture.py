@@ -82,6 +82,27 @@ def losses_of(workdir):
     return {r["step"]: r["loss"] for r in rows_of(workdir) if "loss" in r}
 
 
+# The CLI, held at step 5 until the test's SIGTERM has come. Before: the test sent it once it saw
+# 5 steps logged, and the run's other 19 steps take under a second: a test process that a loaded
+# machine woke that much later found the run finished at step 24, with nothing left to resume.
+HELD_AT_STEP_5 = """
+import sys, time
+from trainer.main import main
+from trainer.preemption import StopRequest
+
+real_at_step, steps = StopRequest.at_step, []
+
+def held_at_step_5(stop):
+    steps.append(len(steps) + 1)
+    while steps[-1] == 5 and stop.signal_name is None:  # a sleep lets the handler run
+        time.sleep(0.01)
+    return real_at_step(stop)
+
+StopRequest.at_step = held_at_step_5
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_mixture_resumes_bit_exactly_and_evaluates_every_source(corpus, prose, tmp_path, repo_root):
     args = [
@@ -102,19 +123,23 @@ def test_mixture_resumes_bit_exactly_and_evaluates_every_source(corpus, prose, t
     assert last["tokens_code"] == 3 * last["tokens_prose"]  # 12 of 16 rows each step
 
     workdir = tmp_path / "stopped"
-    cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml", *args]
-    cmd.append(f"run.workdir={workdir}")
-    proc = subprocess.Popen(cmd, cwd=repo_root, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (
-        (workdir / "metrics.jsonl").exists() and len(losses_of(workdir)) >= 5
-    ):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    cli = ["--config", "configs/tiny.yaml", *args, f"run.workdir={workdir}"]
+    held = [sys.executable, "-c", HELD_AT_STEP_5, *cli]
+    proc = subprocess.Popen(held, cwd=repo_root, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240  # lines 1-3 are written before step 5's stop check
+        while not ((workdir / "metrics.jsonl").exists() and len(losses_of(workdir)) >= 3):
+            assert time.monotonic() < deadline and proc.poll() is None, "never trained 3 steps"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # held at step 5 for good, if the test failed before its SIGTERM
     assert proc.returncode == 0, stderr[-2000:]
     stopped_at = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert 5 <= stopped_at < 24
+    assert stopped_at == 5, stderr[-2000:]
+
+    cmd = [sys.executable, "-m", "trainer.main", *cli]
 
     resumed = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

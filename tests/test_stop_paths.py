@@ -7,7 +7,6 @@ says so, instead of cutting it (or waiting for it anyway) and saying nothing was
 it is written (as the run closes, or as the process exits) says the checkpoint is complete, or
 ends the exit at once, instead of "interrupted without saving" or a traceback."""
 
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from conftest import TINY
 
 from trainer.config import load_config
 from trainer.main import main
+from trainer.observe.metrics import read_metrics
 from trainer.train import run
 
 ROWS, LENGTH = 16, 64
@@ -250,9 +250,12 @@ def twice_run(repo_root, corpus, workdir, steps: int, **env: str) -> subprocess.
 
 
 def logged_steps(workdir) -> list[int]:
+    """The steps with a loss line, read while the run may be writing the next one: a row that
+    straddles a page is written one page at a time, and its first part read alone is no row
+    (`json.loads` of it failed the test)."""
     metrics = workdir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return [row["step"] for row in map(json.loads, lines) if "loss" in row]
+    rows = read_metrics(metrics).rows if metrics.exists() else []
+    return [row["step"] for row in rows if "loss" in row]
 
 
 def exit_of(proc: subprocess.Popen) -> tuple[int, str]:
