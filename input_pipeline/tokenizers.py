@@ -178,6 +178,8 @@ class HFTokenizer:
             raise DataError(
                 f"{self.model_file} is not a readable Hugging Face tokenizer.json ({err})"
             ) from None
+        self._tok.no_truncation()  # a tokenizer.json saved after a call with max_length keeps it:
+        self._tok.no_padding()  # transformers applies neither unless a call asks, nor does prepare
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.config = hf_config(self.model_file.with_name(HF_TOKENIZER_CONFIG))
         self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
@@ -293,12 +295,11 @@ def hf_cuts_exactly(settings: dict[str, Any]) -> bool:
     """Whether this tokenizer.json encodes the pieces of `hf_pieces` to the whole text's ids
     (less the post-processor's special tokens): characters normalized one at a time, a
     pre-tokenizer that splits at every cut the same whatever lies past it, a model that
-    tokenizes each split alone (all do), no added token spanning a cut, no truncation."""
+    tokenizes each split alone (all do), no added token spanning a cut (truncation and
+    padding are off: `HFTokenizer`)."""
     added = settings.get("added_tokens") or []
     return (
-        settings.get("truncation") is None
-        and settings.get("padding") is None
-        and _is_local(settings.get("normalizer"))
+        _is_local(settings.get("normalizer"))
         and _cuts_at_hf_cuts(settings.get("pre_tokenizer"))
         and not any(_may_span_a_cut(token) for token in added)
         and _kind(settings.get("post_processor")) in (None, *WRAPPING_POST_PROCESSORS)

@@ -275,3 +275,32 @@ def test_a_config_asking_for_a_bos_tokenizer_json_never_adds_is_named(tmp_path):
         "PreTrainedTokenizerFast and transformers 5 the tokenizer.json); make them agree: set "
         "add_bos_token to false, or put <|begin_of_text|> first in tokenizer.json's post_processor"
     )
+
+
+def test_a_tokenizer_json_that_truncates_or_pads_encodes_every_token(tmp_path):
+    """A tokenizer.json saved with truncation (or padding) on, as one saved after a call with
+    `max_length` is: every document was cut to its first tokens (or padded) in silence. Like
+    transformers, which applies neither unless a call asks, prepare encodes each text whole."""
+    settings = json.loads(HF_TOKENIZER_JSON.read_text())
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    whole = HFTokenizer(HF_TOKENIZER_JSON).encode(text)
+    settings["truncation"] = {
+        "direction": "Right",
+        "max_length": 8,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    settings["padding"] = {
+        "strategy": {"Fixed": 512},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<pad>",
+    }
+    saved = tmp_path / "tokenizer.json"
+    saved.write_text(json.dumps(settings))
+    tokenizer = HFTokenizer(saved)
+    assert len(whole) > 8
+    np.testing.assert_array_equal(tokenizer.encode(text), whole)
+    np.testing.assert_array_equal(tokenizer.encode_batch([text, text])[1], whole)

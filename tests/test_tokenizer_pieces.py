@@ -209,7 +209,6 @@ def test_hf_pieces_are_cut_past_the_size_at_the_first_cut():
         {"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}},
         {"pre_tokenizer": None},
         {"normalizer": {"type": "Prepend", "prepend": "▁"}},
-        {"truncation": {"direction": "Right", "max_length": 8, "strategy": "LongestFirst"}},
     ],
 )
 def test_an_hf_tokenizer_not_known_to_cut_exactly_is_encoded_whole(tmp_path, change):
