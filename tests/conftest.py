@@ -264,6 +264,16 @@ def tiny_cli(args, workdir) -> list[str]:
     ]
 
 
+def tiny_in_process(args, workdir):
+    """What `tiny_cli(args, workdir)` runs, through the library in the test's own process (a run
+    that fails raises): for a run whose process is not what a test is about (one that sets up a
+    checkpoint for the CLI run under test), which a new process makes seconds longer."""
+    from trainer.config import load_config
+    from trainer.train import run
+
+    return run(load_config(REPO / "configs/tiny.yaml", [*args, f"run.workdir={workdir}"]))
+
+
 def tiny_run(corpus, workdir, steps=4):
     """The TINY model trained on `corpus` in `workdir` for `steps`: a checkpoint every 2 steps,
     no eval before the last step, no TensorBoard."""

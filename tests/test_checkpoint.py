@@ -18,6 +18,7 @@ from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
 from trainer.errors import TrainingError
 from trainer.export import export_params
+from trainer.export import main as export_main
 from trainer.generate import load_generator
 from trainer.models import builder_for_vocab
 from trainer.observe.metrics import read_metrics
@@ -40,6 +41,13 @@ def saved_steps(workdir: Path) -> list[int]:
 
 def uninterrupted_run(repo_root, args, workdir):
     """The reference: the same tiny run through the library, never stopped."""
+    return run_in_this_process(repo_root, args, workdir)
+
+
+def run_in_this_process(repo_root, args, workdir):
+    """The run `tiny_cli(args, workdir)` starts, through the library in the test's own process
+    (a run that fails raises): for the runs whose process is not what a test is about (a
+    reference, or the re-run after a stop or kill), which a new process makes seconds longer."""
     run(
         load_config(
             repo_root / "configs/tiny.yaml", [*args, f"run.workdir={workdir}", "log.progress=false"]
@@ -102,8 +110,7 @@ def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root, 
     last = f"finished at step {stopped_at} of 40: stopped early, re-run the same command to resume"
     assert stderr.strip().splitlines()[-1] == last, "not a plain 'finished' short of run.steps"
 
-    resumed = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    run_in_this_process(repo_root, args, workdir)  # the resume: it ends without an error
     got = losses_of(workdir)
     assert [got[s] for s in range(stopped_at + 1, 41)] == [
         expected[s] for s in range(stopped_at + 1, 41)
@@ -198,13 +205,8 @@ def test_keep_every_and_export_for_plain_orbax(corpus, tmp_path):
     assert saved_steps(workdir) == [4, 8]
 
     out = tmp_path / "exported"
-    export = subprocess.run(
-        [sys.executable, "-m", "trainer.export", "--workdir", str(workdir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert export.returncode == 0, export.stderr[-2000:]
+    # the export CLI's main, in this process; the reader below is a process of its own
+    assert export_main(["--workdir", str(workdir), "--out", str(out)]) == 0
     reader = (
         "import sys, orbax.checkpoint as ocp, numpy as np\n"
         "p = ocp.StandardCheckpointer().restore(sys.argv[1])\n"
@@ -277,8 +279,7 @@ def test_sigkill_at_random_moments_loses_nothing(corpus, tmp_path, repo_root):
         _, stderr = proc.communicate(timeout=60)
         if "resuming from" in stderr:
             resumed_from.append(int(stderr.split("(step ")[1].split(")")[0]))
-    final = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300)
-    assert final.returncode == 0, final.stderr[-2000:]
+    run_in_this_process(repo_root, args, workdir)  # the final run: it ends without an error
     assert resumed_from == sorted(resumed_from) and len(resumed_from) >= 3
     assert not [p for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
     assert losses_of(workdir)[24] == losses_of(straight)[24]
@@ -306,7 +307,9 @@ sys.exit(main.main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_kill_right_after_a_checkpoint_commits_loses_no_metrics_line(corpus, tmp_path, repo_root):
+def test_kill_right_after_a_checkpoint_commits_loses_no_metrics_line(
+    corpus, tmp_path, repo_root, capfd
+):
     """The resume point's own metrics line is on disk before its checkpoint commits, so a kill
     just after the commit leaves every step logged exactly once after the re-run."""
     args = [f"data.path={corpus}", "run.steps=8", "checkpoint.every=3", "log.every=1"]
@@ -326,8 +329,10 @@ def test_kill_right_after_a_checkpoint_commits_loses_no_metrics_line(corpus, tmp
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert saved_steps(workdir) == [3, 6]
     assert max(losses_of(workdir)) == 6  # the resume point's line made it, nothing after it
-    final = subprocess.run(tiny_cli(args, workdir), cwd=repo_root, capture_output=True, text=True)
-    assert final.returncode == 0 and "resuming from" in final.stderr, final.stderr[-2000:]
+    capfd.readouterr()
+    run_in_this_process(repo_root, args, workdir)  # the re-run: it ends without an error
+    final_stderr = capfd.readouterr().err
+    assert "resuming from" in final_stderr, final_stderr[-2000:]
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     logged = [r["step"] for r in rows if "loss" in r]
     assert logged == list(range(1, 9))  # every step once: none lost, none repeated

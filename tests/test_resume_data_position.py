@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY, same, take, tiny_cli
+from conftest import TINY, same, take, tiny_cli, tiny_in_process
 from test_checkpoint import tfrecord_corpus  # noqa: F401 (a fixture)
 from test_mixture import mixture, prose  # noqa: F401 (prose: a fixture)
 
@@ -70,8 +70,7 @@ def test_a_position_grain_cannot_take_is_one_line_naming_the_step_and_setting(
     interleave, whose position Grain failed on with an IndexError traceback."""
     workdir = tmp_path / "run"
     data = [f"data.path={tfrecord_corpus}", "data.read_threads=4"]
-    first = cli(workdir, 2, *data, repo_root=repo_root)
-    assert first.returncode == 0, first.stderr[-2000:]
+    tiny_in_process([*SESSION, "run.steps=2", *data], workdir)  # ends without an error
     line = refused(cli(workdir, 4, *data, "data.read_threads=1", repo_root=repo_root))
     assert line.startswith(f"error: checkpoint {workdir / 'checkpoints' / '2'} "), line
     assert "(saved with data.read_threads=4, now 1)" in line
@@ -224,8 +223,7 @@ def test_a_mixture_goes_on_with_the_same_rows_in_smaller_batches(corpus, prose):
 
 def test_a_mixture_resumes_with_a_smaller_batch_size(corpus, prose, tmp_path, repo_root):  # noqa: F811
     workdir = tmp_path / "run"
-    first = cli(workdir, 2, mixture(corpus, prose), repo_root=repo_root)
-    assert first.returncode == 0, first.stderr[-2000:]
+    tiny_in_process([*SESSION, "run.steps=2", mixture(corpus, prose)], workdir)  # no error
     second = cli(
         workdir, 4, mixture(corpus, prose), "data.global_batch_size=8", repo_root=repo_root
     )

@@ -151,10 +151,14 @@ trainer.run(trainer.load_config(None, sys.argv[1:]), data=Batches(), eval_data=h
 """
 
 
-def caller_run(repo_root: Path, workdir: Path, *extra: str, **env: str) -> subprocess.Popen:
+def caller_args(workdir: Path, *extra: str) -> list[str]:
     args = [*TINY, "model.vocab_size=256", "run.steps=8", "optim.decay_steps=8"]
     args += ["checkpoint.every=4", "eval.every=100", "log.tensorboard=false"]
-    args += [f"run.workdir={workdir}", *extra]
+    return [*args, f"run.workdir={workdir}", *extra]
+
+
+def caller_run(repo_root: Path, workdir: Path, *extra: str, **env: str) -> subprocess.Popen:
+    args = caller_args(workdir, *extra)
     return subprocess.Popen(
         [sys.executable, "-c", CALLER_RUN, *args],
         cwd=repo_root,
@@ -162,6 +166,16 @@ def caller_run(repo_root: Path, workdir: Path, *extra: str, **env: str) -> subpr
         text=True,
         env={**os.environ, "PYTHONFAULTHANDLER": "1", **env},  # stacks on SIGABRT: `finished`
     )
+
+
+def caller_run_in_this_process(workdir: Path, monkeypatch) -> None:
+    """`CALLER_RUN` as `caller_run` starts it with no blocking or signal set, but in the test's
+    own process (an error raises): for the runs whose process is not what a test is about (a
+    reference, a resume), which a new process makes seconds longer."""
+    monkeypatch.setattr(sys, "argv", ["-c", *caller_args(workdir)])
+    for name in ("BLOCK_AT", "EVAL_BLOCK_AT", "BLOCKED", "TERM_AFTER_SAVING", "EVAL_TERM_AT"):
+        monkeypatch.delenv(name, raising=False)
+    exec(compile(CALLER_RUN, "<CALLER_RUN>", "exec"), {"__name__": "__main__"})
 
 
 def losses_of(workdir: Path) -> dict[int, float]:
@@ -197,12 +211,12 @@ def sigterm_once(proc: subprocess.Popen, ready: Callable[[], bool], what: str) -
 
 @pytest.mark.slow
 def test_sigterm_while_the_data_source_blocks_saves_the_last_step_and_resumes_exactly(
-    tmp_path, repo_root
+    tmp_path, repo_root, monkeypatch
 ):
     """Before: the loop waited for the blocked source's batch with no timeout and never looked
     at the stop the signal asked for; only SIGKILL or the watchdog ended the run, unsaved."""
     straight = tmp_path / "straight"
-    finished(caller_run(repo_root, straight))
+    caller_run_in_this_process(straight, monkeypatch)  # the reference, never stopped
     expected = losses_of(straight)
 
     workdir = tmp_path / "stopped"
@@ -214,7 +228,7 @@ def test_sigterm_while_the_data_source_blocks_saves_the_last_step_and_resumes_ex
     ), stderr[-3000:]
     assert saved_steps(workdir) == [4, 5]
 
-    finished(caller_run(repo_root, workdir))  # resumes at step 5, batch 5 next
+    caller_run_in_this_process(workdir, monkeypatch)  # resumes at step 5, batch 5 next
     got = losses_of(workdir)
     assert [got[s] for s in range(1, 9)] == [expected[s] for s in range(1, 9)]
 

@@ -2,6 +2,7 @@
 through the CLI, as a user drives it."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -109,43 +110,53 @@ def test_cli_run_then_resume(corpus, tmp_path, repo_root):
     assert "already at step 15" in cli(15).stderr
 
 
-def test_checkpoint_from_another_model_is_refused(corpus, tmp_path):
+def two_step_settings(corpus) -> list[str]:
+    return [*TINY, f"data.path={corpus}", "run.steps=2", "checkpoint.every=2", "eval.every=2"]
+
+
+@pytest.fixture(scope="module")
+def two_step_run(corpus, tmp_path_factory) -> Path:
+    """A finished 2-step run of the TINY model, its checkpoint at step 2: made once for the
+    tests that resume from it, each in its own copy (`copy_of`)."""
+    workdir = tmp_path_factory.mktemp("two_steps") / "w"
+    run(load_config(None, [*two_step_settings(corpus), f"run.workdir={workdir}"]))
+    return workdir
+
+
+def copy_of(two_step_run: Path, workdir: Path) -> Path:
+    shutil.copytree(two_step_run, workdir)
+    return workdir
+
+
+def test_checkpoint_from_another_model_is_refused(corpus, two_step_run, tmp_path):
     from trainer.errors import TrainingError
 
-    workdir = tmp_path / "w"
-    base = [
-        *TINY,
-        f"data.path={corpus}",
-        f"run.workdir={workdir}",
-        "run.steps=2",
-        "checkpoint.every=2",
-        "eval.every=2",
-    ]
-    run(load_config(None, base))
+    workdir = copy_of(two_step_run, tmp_path / "w")
+    base = [*two_step_settings(corpus), f"run.workdir={workdir}"]
     with pytest.raises(TrainingError, match=r"from another model .*saved \[2, 64"):
         run(load_config(None, [*base, "run.steps=4", "model.d_ff=96"]))
 
 
-def test_a_refused_resume_leaves_the_runs_config_yaml(corpus, tmp_path):
+def test_a_refused_resume_leaves_the_runs_config_yaml(corpus, two_step_run, tmp_path):
     # The refusal says "use ... the model config it was saved with": config.yaml still shows it.
     from trainer.errors import TrainingError
 
-    workdir = tmp_path / "w"
-    base = [*TINY, f"data.path={corpus}", f"run.workdir={workdir}", "run.steps=2", "eval.every=2"]
-    run(load_config(None, [*base, "checkpoint.every=2"]))
+    workdir = copy_of(two_step_run, tmp_path / "w")
+    base = [*two_step_settings(corpus), f"run.workdir={workdir}"]
     saved = (workdir / "config.yaml").read_text()
     with pytest.raises(TrainingError, match="from another model"):
-        run(load_config(None, [*base, "checkpoint.every=2", "run.steps=4", "model.d_ff=96"]))
+        run(load_config(None, [*base, "run.steps=4", "model.d_ff=96"]))
     assert (workdir / "config.yaml").read_text() == saved
 
 
-def test_init_from_another_model_or_no_checkpoint_names_checkpoint_init_from(corpus, tmp_path):
+def test_init_from_another_model_or_no_checkpoint_names_checkpoint_init_from(
+    corpus, two_step_run, tmp_path
+):
     # The fix is the init_from path (or the model config), not run.workdir: the workdir is new.
     from trainer.errors import TrainingError
 
-    base = [*TINY, f"data.path={corpus}", "run.steps=2", "checkpoint.every=2", "eval.every=2"]
-    source, empty = tmp_path / "source", tmp_path / "empty"
-    run(load_config(None, [*base, f"run.workdir={source}"]))
+    base = two_step_settings(corpus)
+    source, empty = copy_of(two_step_run, tmp_path / "source"), tmp_path / "empty"
     empty.mkdir()
     tuned = [*base, f"run.workdir={tmp_path / 'tuned'}"]
     with pytest.raises(
