@@ -13,15 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from input_pipeline.tokenizers import (
-    CUTTING_REGEXES,
-    HF_CUT,
-    HFTokenizer,
-    SentencePieceTokenizer,
-    hf_cuts_exactly,
-    hf_pieces,
-    train_sentencepiece,
-)
+from input_pipeline.hf_pieces import CUTTING_REGEXES, HF_CUT, hf_cuts_exactly, hf_pieces
+from input_pipeline.tokenizers import HFTokenizer, SentencePieceTokenizer, train_sentencepiece
 
 WORDS = ["def", "return", "self", "the", "model", "déjà", "42", "x", "\n", "\t", "  ", "日本語"]
 
