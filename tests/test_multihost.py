@@ -34,14 +34,8 @@ from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.observe.metrics import read_metrics
 from trainer.observe.watchdog import EXIT_STUCK
-from trainer.parallel.distributed import (
-    ClusterSpec,
-    check_same_config,
-    check_same_data,
-    check_shared_workdir,
-    cluster_from_env,
-    not_joined,
-)
+from trainer.parallel.agreement import check_same_config, check_same_data, check_shared_workdir
+from trainer.parallel.distributed import ClusterSpec, cluster_from_env, not_joined
 from trainer.preemption import StopRequest
 from trainer.train import run
 
@@ -879,9 +873,8 @@ AGREE_ON_CONFIG = """
 import os
 import sys
 from trainer.errors import ConfigError, TrainingError
-from trainer.parallel.distributed import (
-    check_same_config, check_shared_workdir, cluster_from_env, initialize
-)
+from trainer.parallel.agreement import check_same_config, check_shared_workdir
+from trainer.parallel.distributed import cluster_from_env, initialize
 
 folder, said = sys.argv[1:]
 said = open(said, "w", buffering=1)  # stdout also carries Gloo's lines, written in pieces
@@ -1187,7 +1180,8 @@ AGREE_ON_DATA = """
 import os
 import sys
 from trainer.errors import ConfigError
-from trainer.parallel.distributed import check_same_data, cluster_from_env, initialize
+from trainer.parallel.agreement import check_same_data
+from trainer.parallel.distributed import cluster_from_env, initialize
 
 said = open(sys.argv[1], "w", buffering=1)  # stdout also carries Gloo's lines
 initialize(cluster_from_env())

@@ -42,7 +42,7 @@ from input_pipeline.tokenizers import Tokenizer, get_tokenizer
 from input_pipeline.verified import VerifiedShards, record_file
 from trainer.config import DataConfig, MixtureSource
 from trainer.errors import ConfigError
-from trainer.parallel.distributed import data_not_opened, gather_rows
+from trainer.parallel.agreement import data_not_opened, gather_rows
 
 # This process's place among the processes that feed distinct rows of a batch, and their count
 # (`input_pipeline.device.row_feeders`, computed once per run from its mesh).

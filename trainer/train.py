@@ -39,7 +39,7 @@ from trainer.observe.flops import device_peak_tflops
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
-from trainer.parallel.distributed import (
+from trainer.parallel.agreement import (
     check_same_config,
     check_same_data,
     check_shared_workdir,

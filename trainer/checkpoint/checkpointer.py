@@ -47,7 +47,7 @@ from trainer.checkpoint.reading import (
 )
 from trainer.config import CheckpointConfig
 from trainer.errors import ConfigError, TrainingError
-from trainer.parallel.distributed import (
+from trainer.parallel.agreement import (
     gather_rows,
     stop_every_process_if,
     stop_every_process_on_error,

@@ -25,7 +25,7 @@ from trainer.checkpoint.items import (
 )
 from trainer.config import Config, saved_config
 from trainer.errors import ConfigError, TrainingError
-from trainer.parallel.distributed import gather_rows
+from trainer.parallel.agreement import gather_rows
 from trainer.parallel.state import TrainState
 
 # A restore's outcome on one process, agreed across processes as the largest of them.
