@@ -156,13 +156,21 @@ def quiet_orbax() -> Iterator[None]:
 
 
 class _DrainingLoop(asyncio.SelectorEventLoop):
-    """An event loop that lets its pending tasks finish before it closes."""
+    """An event loop that lets its pending tasks finish before it closes, and that leaves a full
+    or unwritable folder to `Checkpointer`'s one line: a write that failed after its sibling's
+    failure had ended the save was logged, when collected, as "Task exception was never
+    retrieved" with its traceback, whenever it finished before the loop closed."""
 
     def close(self) -> None:
         pending = set() if self.is_closed() else asyncio.all_tasks(self)
         if pending and not self.is_running():
             self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         super().close()
+
+    def call_exception_handler(self, context: dict[str, Any]) -> None:
+        failure = context.get("exception")
+        if failure is None or not storage_problem(failure):
+            super().call_exception_handler(context)
 
 
 class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
