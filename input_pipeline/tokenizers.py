@@ -147,8 +147,8 @@ class HFTokenizer:
 
         self.model_file = Path(tokenizer_file)
         try:
-            self._tok = RustTokenizer.from_file(str(self.model_file))
-            settings = json.loads(self.model_file.read_text(encoding="utf-8"))
+            text = self.model_file.read_text(encoding="utf-8")  # once: the library and our checks
+            self._tok, settings = RustTokenizer.from_str(text), json.loads(text)
         except Exception as err:  # the library raises its own untyped exceptions
             raise DataError(
                 f"{self.model_file} is not a readable Hugging Face tokenizer.json ({err})"
