@@ -249,8 +249,9 @@ def _is_count(value: Any) -> bool:
 
 def check_within(position: Any, bounds: Mapping[str, int], path: str = "position") -> None:
     """A `DamagedPositionError` for the first value of a key in `bounds` above its bound, where
-    the bound is one only the pipeline knows (e.g. a shard's size, a shuffle window's length):
-    a value past it would be read as the end of it, and resume elsewhere in silence."""
+    the bound is one only the pipeline knows (a shuffle window's length; a shard's size is its
+    reader's to check): a value past it would be read as the end of it, and resume elsewhere in
+    silence."""
     if (damage := next(_past_bounds(position, bounds, path), None)) is not None:
         raise DamagedPositionError(damage)
 
