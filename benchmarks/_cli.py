@@ -9,8 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from input_pipeline.errors import DataError
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import USER_ERRORS
 
 USAGE_EXIT = 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +42,6 @@ def run_main(main: Callable[[], int | None]) -> int:
     """Call a script's `main`; a user's mistake becomes `error: <line>` and exit code 2."""
     try:
         return main() or 0
-    except (ConfigError, DataError, TrainingError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return USAGE_EXIT

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import NoReturn
 
+from input_pipeline.errors import DataError
+
 
 class ConfigError(ValueError):
     """A config value a user can fix: the message names the key, the problem and the fix."""
@@ -16,6 +18,9 @@ class ConfigError(ValueError):
 class TrainingError(RuntimeError):
     """A run that cannot go on (a NaN loss, a checkpoint from another model): message says why."""
 
+
+# What a command line ends in one line and exit 2, not a traceback: what its user can fix.
+USER_ERRORS = (ConfigError, DataError, TrainingError)
 
 LINE_LIMIT = 240  # characters of an error's message that a one-line report quotes
 

@@ -25,10 +25,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from input_pipeline.errors import DataError
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import USER_ERRORS, TrainingError
 from trainer.generate import run_tokenizer
 from trainer.hf.config import CONFIG_FILE, UNSET_CONTEXT
 from trainer.hf.tokenizer import write_tokenizer
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_params(args.workdir, args.out, args.step, args.format)
-    except (ConfigError, DataError, TrainingError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"exported parameters to {out}", file=sys.stderr)

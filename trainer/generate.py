@@ -35,7 +35,7 @@ from input_pipeline.tokenizers import (
 )
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, DataConfig, load_config
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import USER_ERRORS, ConfigError, TrainingError
 from trainer.hf import hf_folder
 from trainer.hf.config import CONFIG_FILE, read_hf_config
 from trainer.models import abstract_params, model_spec
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokenizer.model, a run its dataset folder (data.path)"
             )
         text = _complete(generator, args)
-    except (ConfigError, DataError, TrainingError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(args.prompt + text)

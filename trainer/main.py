@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from input_pipeline.errors import DataError  # noqa: E402
 from trainer.config import Config, load_config  # noqa: E402
-from trainer.errors import ConfigError, TrainingError, exit_now  # noqa: E402
+from trainer.errors import USER_ERRORS, exit_now  # noqa: E402
 
 if TYPE_CHECKING:
     from trainer.loop import RunResult
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_yaml(), end="")
             return 0
         summary, stopped = train(config)
-    except (ConfigError, DataError, TrainingError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return end_alone_if_joined(USAGE_EXIT)
     except RuntimeError as err:  # jax.errors.JaxRuntimeError, without importing jax here

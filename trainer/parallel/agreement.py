@@ -21,11 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from input_pipeline.errors import DataError
-from trainer.errors import ConfigError, TrainingError
-
-# What the CLI ends in one line (exit 2): what a user can fix.
-USER_ERRORS = (ConfigError, DataError, TrainingError)
+from trainer.errors import USER_ERRORS, ConfigError, TrainingError
 
 
 def _settings(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
