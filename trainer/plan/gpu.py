@@ -28,6 +28,7 @@ import numpy as np
 from trainer.errors import first_line
 from trainer.models.attention import parse_capability
 from trainer.models.kernels import planned_device
+from trainer.observe.flops import peak_tflops_of
 from trainer.plan.cost import Rates
 
 
@@ -52,9 +53,17 @@ class Gpu:
     shared_per_block_optin: int
     threads_per_core: int
     fpus_per_core: int
-    peak_flops: float  # dense bf16/fp16 tensor FLOP/s (fp32 accumulate), for `cost.Rates`
     host_link: float  # PCIe bytes/s each way, as pinned copies achieve
     interconnect: float  # NVLink bytes/s each way; PCIe's where the GPU has none
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense 16-bit tensor FLOP/s (fp32 accumulate), for `cost.Rates`: the peak a run's MFU
+        on this GPU divides by."""
+        peak = peak_tflops_of(self.description)
+        if peak is None:
+            raise KeyError(f"{self.description!r} has no peak in trainer.observe.flops.PEAK_TFLOPS")
+        return 1e12 * peak
 
     @property
     def compute_capability(self) -> str:
@@ -110,45 +119,45 @@ _SM75 = {"shared_per_core": 65536, "shared_per_block_optin": 65536,
 GPUS: dict[str, Gpu] = {
     "h200": Gpu(
         "NVIDIA H200 141GB HBM3e", (9, 0), 132, 151397597184, 4.8e12, 50 * MiB, 1.98, **_SM90,
-        peak_flops=989e12, host_link=PCIE5, interconnect=450 * GB,
+        host_link=PCIE5, interconnect=450 * GB,
     ),
     "h100": Gpu(
         "NVIDIA H100 80GB HBM3", (9, 0), 132, 84942979072, 3.35232e12, 50 * MiB, 1.98, **_SM90,
-        peak_flops=989e12, host_link=PCIE5, interconnect=450 * GB,
+        host_link=PCIE5, interconnect=450 * GB,
     ),
     "a100": Gpu(
         "NVIDIA A100-SXM4-80GB", (8, 0), 108, 85100068864, 2.03904e12, 40 * MiB, 1.41, **_SM80,
-        peak_flops=312e12, host_link=PCIE4, interconnect=300 * GB,
+        host_link=PCIE4, interconnect=300 * GB,
     ),
     "a100-40gb": Gpu(
         "NVIDIA A100-SXM4-40GB", (8, 0), 108, 42331013120, 1.5552e12, 40 * MiB, 1.41, **_SM80,
-        peak_flops=312e12, host_link=PCIE4, interconnect=300 * GB,
+        host_link=PCIE4, interconnect=300 * GB,
     ),
     "l4": Gpu(
         "NVIDIA L4", (8, 9), 58, 23034 * MiB, 300e9, 48 * MiB, 2.04, **_SM86_89,
-        peak_flops=121e12, host_link=PCIE4, interconnect=PCIE4,
+        host_link=PCIE4, interconnect=PCIE4,
     ),
     "rtx4090": Gpu(
         "NVIDIA GeForce RTX 4090", (8, 9), 128, 24564 * MiB, 1008e9, 72 * MiB, 2.52, **_SM86_89,
-        peak_flops=165e12, host_link=PCIE4, interconnect=PCIE4,
+        host_link=PCIE4, interconnect=PCIE4,
     ),
     "rtx3090": Gpu(
         "NVIDIA GeForce RTX 3090", (8, 6), 82, 24576 * MiB, 936e9, 6 * MiB, 1.695, **_SM86_89,
-        peak_flops=71e12, host_link=PCIE4, interconnect=PCIE4,
+        host_link=PCIE4, interconnect=PCIE4,
     ),
     "v100": Gpu(
         "Tesla V100-SXM2-16GB", (7, 0), 80, 16935682048, 898.048e9, 6 * MiB, 1.53,
         shared_per_core=98304, shared_per_block_optin=98304,
         threads_per_core=2048, fpus_per_core=64,
-        peak_flops=125e12, host_link=PCIE3, interconnect=150 * GB,
+        host_link=PCIE3, interconnect=150 * GB,
     ),
     "t4": Gpu(
         "Tesla T4", (7, 5), 40, 15360 * MiB, 320e9, 4 * MiB, 1.59, **_SM75,
-        peak_flops=65e12, host_link=PCIE3, interconnect=PCIE3,
+        host_link=PCIE3, interconnect=PCIE3,
     ),
     "rtx2080ti": Gpu(
         "NVIDIA GeForce RTX 2080 Ti", (7, 5), 68, 11264 * MiB, 616e9, 5.5 * MiB, 1.545, **_SM75,
-        peak_flops=53.8e12, host_link=PCIE3, interconnect=PCIE3,
+        host_link=PCIE3, interconnect=PCIE3,
     ),
 }
 # fmt: on
