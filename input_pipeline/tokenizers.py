@@ -253,6 +253,20 @@ def bos_disagreement(tokenizer: HFTokenizer) -> str | None:
     return None
 
 
+def unknown_special_token(tokenizer: HFTokenizer) -> str | None:
+    """A bos_token or eos_token of tokenizer_config.json that tokenizer.json's vocabulary lacks
+    (None: none). It has no id for an export to report, and transformers adds it past the
+    vocabulary, where the model has no embedding row."""
+    for role in ("bos_token", "eos_token"):
+        token = tokenizer.special_token(role)
+        if token is not None and tokenizer._tok.token_to_id(token) is None:
+            return (
+                f"{HF_TOKENIZER_CONFIG} names {token} as {role}, which is not in "
+                f"{HF_TOKENIZER_FILE}'s vocabulary; set {role} to one of its tokens, or remove it"
+            )
+    return None
+
+
 def model_proto(processor: Any) -> Any | None:
     """A SentencePiece model's settings (its `normalizer_spec`, `trainer_spec`), or None when
     they cannot be read: no protobuf, or one its generated code does not suit."""
@@ -357,7 +371,8 @@ def make_tokenizer(
         source = Path(choice[len(HF_PREFIX) :])
         if not (source / HF_TOKENIZER_FILE).is_file():
             raise DataError(f"--tokenizer hf:{source}: no {HF_TOKENIZER_FILE} in that folder")
-        if reason := bos_disagreement(HFTokenizer(source / HF_TOKENIZER_FILE)):
+        given = HFTokenizer(source / HF_TOKENIZER_FILE)
+        if reason := unknown_special_token(given) or bos_disagreement(given):
             raise DataError(f"--tokenizer hf:{source}: {reason}")
         for name in (HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG):
             if (source / name).is_file():

@@ -304,3 +304,24 @@ def test_a_tokenizer_json_that_truncates_or_pads_encodes_every_token(tmp_path):
     assert len(whole) > 8
     np.testing.assert_array_equal(tokenizer.encode(text), whole)
     np.testing.assert_array_equal(tokenizer.encode_batch([text, text])[1], whole)
+
+
+@pytest.mark.parametrize("role", ["bos_token", "eos_token"])
+def test_a_special_token_missing_from_the_vocabulary_is_refused_in_one_line(tmp_path, capsys, role):
+    """Before: its id was None in silence, so an export named no BOS/EOS id, while transformers
+    (4.57.6, checked in a scratch environment) added the token past the vocabulary: id 320 of
+    this 320-token tokenizer, a row the model does not have."""
+    from input_pipeline.prepare import main as prepare_main
+
+    source = bare_hf_folder(tmp_path / "source")
+    (source / "tokenizer_config.json").write_text(json.dumps({role: {"content": "<s>"}}))
+    (tmp_path / "a.txt").write_text("some text to tokenize\n" * 20)
+    args = ["--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out")]
+    assert prepare_main([*args, "--tokenizer", f"hf:{source}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        f"--tokenizer hf:{source}: tokenizer_config.json names <s> as {role}, which is not in "
+        f"tokenizer.json's vocabulary; set {role} to one of its tokens, or remove it"
+    ) in err
+    assert not (tmp_path / "out").exists()
