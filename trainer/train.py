@@ -35,7 +35,7 @@ from trainer.loop import Loop, RunResult, check_mixture_eval_step
 from trainer.models import pipeline_spec, run_model
 from trainer.models.attention import CheckedBatches
 from trainer.models.spec import ModelSpec
-from trainer.observe.flops import device_peak_tflops
+from trainer.observe.flops import device_peak_tflops, precision_warning
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding
@@ -247,7 +247,7 @@ def announce(
     resumed_meta: dict[str, Any],
 ) -> None:
     """The startup lines: what trains on what (or where it resumes, from `resumed_meta`, the
-    metadata its restore read), and a missing eval split."""
+    metadata its restore read), a precision the GPU runs slowly, and a missing eval split."""
     note = spec.startup_note(config)
     if start_step:
         where = checkpointer.directory / str(start_step)
@@ -281,6 +281,8 @@ def announce(
             tokenizer = sources.load_tokenizer()
             if line := other_tokenizer_warning(config.checkpoint.init_from, tokenizer):
                 writer.message(line)
+    if line := precision_warning(config.precision.compute, jax.devices()[0]):
+        writer.message(line)
     if sources.make_eval is None:
         writer.message(sources.without_evals)
 
