@@ -62,6 +62,10 @@ def choose(requested="auto", failing=(), **changes):
         (dict(compute_capability="8.9", head_dim=96), (), "cudnn_mask"),  # Pallas: powers of 2
         (dict(compute_capability="8.9", seq_len=2056), (), "cudnn_mask"),  # no Pallas block fits
         (dict(compute_capability="7.5", compute_dtype=jnp.float16), (), "xla"),  # T4
+        # bf16 before Ampere: jax's XLA attention asks for a bf16 dot algorithm XLA refuses there
+        (dict(compute_capability="7.5"), (), "xla_written"),
+        (dict(compute_capability="7.0", packed=False), (), "xla_written"),  # V100
+        (dict(compute_capability="7.5", compute_dtype=jnp.float32), (), "xla"),
         (dict(compute_dtype=jnp.float32), (), "xla"),
         (dict(head_dim=36), (), "xla"),  # not a multiple of 8
         (dict(compute_capability="8.6", head_dim=192), (), "xla"),  # over 128 before Hopper
@@ -97,6 +101,10 @@ def test_training_with_dropout_drops_probabilities_in_xla_on_every_device(reques
 @pytest.mark.parametrize("changes", [dict(), dict(packed=False), dict(platform="cpu")])
 def test_forced_xla_is_xla_anywhere(changes):
     assert choose("xla", **changes) == "xla"
+
+
+def test_forced_xla_is_written_out_for_bf16_before_ampere():
+    assert choose("xla", compute_capability="7.5") == "xla_written"
 
 
 @pytest.mark.parametrize(

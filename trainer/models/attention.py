@@ -3,7 +3,7 @@ every branch), and the words the run's first line uses for it.
 
 `model.attention=auto`, for a forward pass that drops nothing (evaluation, or model.dropout=0):
 
-| rows | NVIDIA cc 9.0+, bf16/fp16 | cc 8.x, bf16/fp16 | cc 7.5, CPU, TPU, fp32 |
+| rows | NVIDIA cc 9.0+, bf16/fp16 | cc 8.x, bf16/fp16 | cc 7.x fp16, CPU, TPU, fp32 |
 |---|---|---|---|
 | one document each (no segment ids) | cudnn | cudnn | xla |
 | packed documents | cudnn_packed > pallas > cudnn_mask > xla | pallas > cudnn_mask > xla | xla |
@@ -13,7 +13,9 @@ every branch), and the words the run's first line uses for it.
 it); pipeline stages run packed rows on XLA (jax's cuDNN batching rule cannot take the per-row
 document spans under the stage `vmap`). A training pass with model.dropout > 0 runs
 `xla_dropout` everywhere: only attention written out in XLA can drop probabilities with a fresh
-mask each step (cuDNN's private API takes one static integer seed).
+mask each step (cuDNN's private API takes one static integer seed). bf16 on a GPU before cc 8.0
+runs `xla_written`, the same attention written out: jax's XLA attention asks for a bf16 dot
+algorithm that XLA's GPU compiler refuses there ("Unsupported algorithm ... ALG_DOT_BF16_BF16_F32").
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from input_pipeline.errors import DataError
 from trainer.errors import ConfigError
 from trainer.models import kernels
 
-Kernel = Literal["xla", "xla_dropout", "cudnn", "cudnn_mask", "cudnn_packed", "pallas"]
+Kernel = Literal[
+    "xla", "xla_dropout", "xla_written", "cudnn", "cudnn_mask", "cudnn_packed", "pallas"
+]
 _HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -64,10 +68,17 @@ def choose_attention(
     if facts.dropout > 0:
         return "xla_dropout"
     if requested == "xla" or problem:
-        return "xla"
+        return "xla_written" if _no_bf16_dot_algorithm(facts) else "xla"
     if not facts.packed:
         return "cudnn"
     return next(k for k in _packed_preference(requested, facts) if works(k))
+
+
+def _no_bf16_dot_algorithm(facts: AttentionFacts) -> bool:
+    """bf16 on a CUDA GPU before Ampere, which has no bf16 x bf16 -> fp32 dot for XLA."""
+    capability = parse_capability(facts.compute_capability)
+    bf16 = jnp.dtype(facts.compute_dtype) == jnp.dtype(jnp.bfloat16)
+    return facts.platform == "gpu" and capability is not None and capability < (8, 0) and bf16
 
 
 def _packed_preference(requested: str, facts: AttentionFacts) -> list[Kernel]:

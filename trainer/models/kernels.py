@@ -130,7 +130,7 @@ def attend(
         )
     if kernel == "pallas":
         return pallas_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, layout.segment_ids)
-    if kernel == "xla_dropout":
+    if kernel in ("xla_dropout", "xla_written"):  # written out: rate 0 unless training
         return dropout_attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, layout.mask, dropout_rate, dropout_key
         )

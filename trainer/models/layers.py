@@ -106,7 +106,7 @@ class PackedLayout(NamedTuple):
     built (`models/kernels.py`)."""
 
     # [B, 1, L, L]: causal, and never across documents of a packed row (xla, xla_dropout,
-    # cudnn_mask); None for rows of one document each, which attend causally without a mask
+    # xla_written, cudnn_mask); None for rows of one document each: causal without a mask
     mask: jax.Array | None
     sin: jax.Array  # [B, L, 1, K/2]: rotary angles at each token's in-document position
     cos: jax.Array

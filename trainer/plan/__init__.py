@@ -31,6 +31,7 @@ from trainer.config import Config, load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
 from trainer.models import builder_for_vocab, model_spec
+from trainer.observe.flops import precision_warning
 from trainer.parallel import sharding
 from trainer.parallel.offload import device_bytes
 from trainer.plan import cost
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     print("\n".join(report(args.config, base, config)))
     print(verdict(base.total, budget), flush=True)
+    if known and (line := precision_warning(config.precision.compute, known)):
+        print(line)
     if base.total <= budget:
         return 0
     rates = (known or GPUS[COST_MODEL_GPU]).rates()

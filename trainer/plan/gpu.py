@@ -56,6 +56,12 @@ class Gpu:
     host_link: float  # PCIe bytes/s each way, as pinned copies achieve
     interconnect: float  # NVLink bytes/s each way; PCIe's where the GPU has none
 
+    platform = "gpu"  # read as a `jax.Device` is, by `observe.flops.precision_warning`
+
+    @property
+    def device_kind(self) -> str:
+        return self.description
+
     @property
     def peak_flops(self) -> float:
         """Dense 16-bit tensor FLOP/s (fp32 accumulate), for `cost.Rates`: the peak a run's MFU
