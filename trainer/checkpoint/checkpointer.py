@@ -393,8 +393,8 @@ class Checkpointer(StepReader):
         """A throwaway save of `state` into `<directory>.warm_up` (deleted once written) before
         the first step: what Orbax and the runtime set up on first use (handlers, thread pools,
         TensorStore, the slicing it compiles per array shape, host buffers for the copy) is then
-        in place, and the first real save blocks no longer than the ones after it (an H200 at
-        1B blocked 6.4 s in the first async save, 0.30 s in the second)."""
+        in place, and the first real save blocks no longer than the ones after it (BENCHMARKS.md,
+        "The loop's own cost")."""
         folder = self.directory.with_name(self.directory.name + ".warm_up")
         needed = state_bytes(state)
         no_room = folder.parent.is_dir() and needed > shutil.disk_usage(folder.parent).free
