@@ -331,6 +331,26 @@ def test_dropout_attention_at_rate_zero_is_xla_attention():
     )
 
 
+def test_the_decoder_writes_attention_out_where_bf16_dots_are_refused(monkeypatch):
+    """On a GPU before Ampere the decoder's bf16 attention is written out, as training's is:
+    jax's asked for a dot algorithm XLA refuses there (a prompt of several tokens did not
+    compile for an RTX 2080 Ti). Here on CPU, under that GPU's facts: the same logits."""
+    from trainer.models.decode import KVCache, decode
+
+    model = make(compute="bfloat16")
+    tokens = jnp.asarray([[1, 5, 9, 2, 7], [3, 3, 8, 1, 4]], jnp.int32)
+    cache = KVCache.empty(model, 2, 12)
+    want, _ = decode(model, tokens, jnp.int32(0), cache)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("jax's XLA attention asks for ALG_DOT_BF16_BF16_F32")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", refused)
+    with kernels.planned_device("gpu", "7.5"):
+        got, _ = decode(model, tokens, jnp.int32(0), cache)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_dropout_attention_drops_probabilities_with_a_fresh_mask_per_key():
     """Probabilities are dropped and rescaled: one value per key row survives or not, and the
     expectation over masks is the undropped attention."""

@@ -68,17 +68,19 @@ def choose_attention(
     if facts.dropout > 0:
         return "xla_dropout"
     if requested == "xla" or problem:
-        return "xla_written" if _no_bf16_dot_algorithm(facts) else "xla"
+        refused = bf16_dots_refused(facts.platform, facts.compute_capability, facts.compute_dtype)
+        return "xla_written" if refused else "xla"
     if not facts.packed:
         return "cudnn"
     return next(k for k in _packed_preference(requested, facts) if works(k))
 
 
-def _no_bf16_dot_algorithm(facts: AttentionFacts) -> bool:
-    """bf16 on a CUDA GPU before Ampere, which has no bf16 x bf16 -> fp32 dot for XLA."""
-    capability = parse_capability(facts.compute_capability)
-    bf16 = jnp.dtype(facts.compute_dtype) == jnp.dtype(jnp.bfloat16)
-    return facts.platform == "gpu" and capability is not None and capability < (8, 0) and bf16
+def bf16_dots_refused(platform: str, compute_capability: str | None, dtype: Any) -> bool:
+    """bf16 on a CUDA GPU before Ampere: XLA's GPU compiler refuses there the bf16 x bf16 ->
+    fp32 dot algorithm that jax's XLA attention asks for, so attention is written out."""
+    capability = parse_capability(compute_capability)
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    return platform == "gpu" and capability is not None and capability < (8, 0) and bf16
 
 
 def _packed_preference(requested: str, facts: AttentionFacts) -> list[Kernel]:

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainer.models.attention import attention_dtype
+from trainer.models.attention import attention_dtype, bf16_dots_refused, device_facts
+from trainer.models.kernels import dropout_attention
 from trainer.models.layers import Attention, PackedLayout
 from trainer.models.transformer import Transformer
 
@@ -40,9 +41,12 @@ def _cached_attention(
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxTxGxK.astype(k_cache.dtype), at)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxTxGxK.astype(v_cache.dtype), at)
     dtype = attention_dtype(attn.compute_dtype)
-    out_BxTxHxK = jax.nn.dot_product_attention(
-        q_BxTxHxK.astype(dtype), k_cache.astype(dtype), v_cache.astype(dtype), mask=mask
-    ).astype(q_BxTxHxK.dtype)
+    q, k, v = (x.astype(dtype) for x in (q_BxTxHxK, k_cache, v_cache))
+    if bf16_dots_refused(*device_facts(), dtype):  # as training's `xla_written` kernel
+        out_BxTxHxK = dropout_attention(q, k, v, mask, 0.0, None)
+    else:
+        out_BxTxHxK = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    out_BxTxHxK = out_BxTxHxK.astype(q_BxTxHxK.dtype)
     return attn.out(out_BxTxHxK.reshape(B, T, attn.num_heads * attn.head_dim)), k_cache, v_cache
 
 
