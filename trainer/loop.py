@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,23 @@ class Progress:
 
 
 @dataclass
+class Session:
+    """One `train` call's step loop: what its steps use, and the locals they share."""
+
+    progress: Progress
+    stop: StopRequest
+    feed: DeviceFeed
+    profile: ProfileWindow
+    train_step: Callable[[TrainState, Batch], tuple[TrainState, StepMetrics]]
+    timing: Callable[[str], Any]  # Goodput.timing and Watchdog.phase, bound once, not per step
+    watch: Callable[..., Any]
+    state: TrainState  # after the newest step dispatched
+    saved: int  # the newest step with a checkpoint (or none, at 0)
+    data_state: Any = None  # the data position after the last step's batch
+    pending: deque[StepRecord] = field(default_factory=deque)  # dispatched, not read (oldest 1st)
+
+
+@dataclass
 class Loop:
     """The step loop's settings and the run's resources; closes the checkpointer and the writer
     on exit, so that `run` is its setup calls and `with Loop(...) as loop: loop.train(...)`."""
@@ -216,113 +233,124 @@ class Loop:
     def _steps(
         self, state: TrainState, start_step: int, progress: Progress, stop: StopRequest
     ) -> None:
-        config, total, result = self.config, self.config.run.steps, progress.result
-        pending: deque[StepRecord] = deque()  # dispatched, metrics not read yet (oldest first)
-        feed = DeviceFeed(
-            self.sources.train,
-            self.program.batch_sharding,
-            config.data.prefetch,
-            self.sources.feeders,
-        )
+        """Steps `start_step + 1` to `run.steps`, or to a stop request: then, once its save is
+        written, the line that says where it is."""
+        config, total = self.config, self.config.run.steps
+        feed = self._feed(self.sources.train)
         profile = ProfileWindow(Path(config.run.workdir) / "profile", config.log.profile_steps)
-        timing = self.goodput.timing
-        train_step = self.program.stepper()
-        watch = progress.watchdog.phase
+        timing, watch = self.goodput.timing, progress.watchdog.phase
+        session = Session(
+            progress, stop, feed, profile, self.program.stepper(), timing, watch, state, start_step
+        )
         with feed, profile, progress.watchdog:
             if total - start_step > config.checkpoint.every:  # a save before the last step
                 with timing("checkpoint"), watch("checkpoint"):
                     self.checkpointer.warm_up(state, self.meta)
             progress.clock = time.perf_counter()
-            saved = start_step  # the newest step with a checkpoint (or none, at 0)
-            data_state: Any = None  # the data position after the last step's batch
             for step in range(start_step + 1, total + 1):
-                if pending and not feed.ready():
-                    # The device runs out of queued steps before the next batch comes: read them
-                    # now, so the lines (and the watchdog's last completed step) are current.
-                    with timing("step"), watch("step"):
-                        self._read_finished(pending, progress, keep=0)
-                try:
-                    with timing("data_wait"), watch("data", step):
-                        fetched = feed.next_unless(stop.at_wait)
-                except StopIteration:
-                    raise TrainingError(
-                        f"the training data ran out before step {step}; repeat it (e.g. "
-                        "grain's .repeat()) or lower run.steps"
-                    ) from None
-                if fetched is None:  # a stop while waiting for data: at the last completed step
+                batch = self._next_batch(session, step)
+                if batch is None:  # a stop while waiting for data: at the last completed step
                     step -= 1
-                    if step > saved:  # its save is the run's last: a second SIGINT lets it finish
-                        stop.saving_last(step)
-                    self._stop_between_steps(step, state, data_state, pending, progress, saved)
+                    self._stop_between_steps(session, step)
                     break
-                batch, data_state = fetched
-                profile.before_step(step, state)
-                with timing("step"), watch("step"):
-                    state, metrics = train_step(state, batch)  # runs while we log earlier steps
-                    metrics.start_copy()
-                    self._read_finished(pending, progress, keep=IN_FLIGHT - 1)
-                profile.after_step(step, metrics)
-                pending.append(StepRecord(step, metrics, feed.last_wait_s, data_state, batch))
+                self._dispatch(session, step, batch)
                 saving = stop.at_step() or step % config.checkpoint.every == 0 or step == total
                 evaluating = step % config.eval.every == 0 or step == total
-                if saving or evaluating:
-                    # Read all now: never save a NaN; this step's line is on disk before its
-                    # checkpoint can become the resume point (a resume truncates lines after
-                    # it), and before an eval's line.
-                    with timing("step"), watch("step"):  # waiting for its result: step time
-                        self._read_finished(pending, progress, keep=0, last=stop.requested)
-                if evaluating and self.sources.make_eval is not None:
-                    # a stop decided at this step lets its eval finish; one during it ends it
-                    stopped = (lambda: False) if stop.requested else stop.at_wait
-                    with timing("eval"), watch("eval"):
-                        eval_row = self._eval_metrics(state, stopped)
-                    if eval_row is not None:
-                        result.eval_loss, result.eval_step = eval_row["eval_loss"], step
-                        self.writer.write(step, eval_row)
-                    else:  # a stop came while it waited for eval data: this step is the last
-                        self._write_unlogged_line(step, progress)
-                        saving = True
-                if evaluating and self.sampler is not None:
-                    with timing("eval"), watch("eval"):
-                        self.sampler(step, state)
-                if saving:
-                    if stop.requested:  # the run's last save: a second SIGINT lets it finish
-                        stop.saving_last(step)
-                    saved = self._save(step, state, data_state, progress)
-                if saving or evaluating:  # every step was read first: the next starts now
-                    progress.clock = time.perf_counter()
-                if stop.requested:
-                    feed.give_up()  # its read under way, which may never return, is not waited for
-                    break
-        result.state, result.step = state, step
+                if (saving or evaluating) and self._save_or_eval(session, step, saving, evaluating):
+                    break  # a stop request (it always saves the step): this step was the last
+        progress.result.state, progress.result.step = session.state, step
         if stop.requested:
             with timing("checkpoint"):
                 self.checkpointer.wait()
             self.writer.message(self._stop_line(stop.signal_name, step))
 
-    def _save(self, step: int, state: TrainState, data_state: Any, progress: Progress) -> int:
-        """Checkpoint `step` (its state and the data position after its batch); returns `step`."""
-        with self.goodput.timing("checkpoint"), progress.watchdog.phase("checkpoint"):
-            blocked = self.checkpointer.save(step, state, data_state, self.meta)
-        self.writer.write(step, {"ckpt_block_s": blocked})
-        return step
+    def _feed(self, batches: Iterator[Batch]) -> DeviceFeed:
+        """`batches` put on the devices by a thread, `data.prefetch` ahead of the loop."""
+        sharding, prefetch = self.program.batch_sharding, self.config.data.prefetch
+        return DeviceFeed(batches, sharding, prefetch, self.sources.feeders)
 
-    def _stop_between_steps(
-        self,
-        step: int,
-        state: TrainState,
-        data_state: Any,
-        pending: deque[StepRecord],
-        progress: Progress,
-        saved: int,
-    ) -> None:
+    def _next_batch(self, session: Session, step: int) -> Batch | None:
+        """Wait for the batch of `step` (its data position goes to `session.data_state`); None
+        when a stop request ended the wait."""
+        if session.pending and not session.feed.ready():
+            # The device runs out of queued steps before the next batch comes: read them now,
+            # so the lines (and the watchdog's last completed step) are current.
+            with session.timing("step"), session.watch("step"):
+                self._read_finished(session.pending, session.progress, keep=0)
+        try:
+            with session.timing("data_wait"), session.watch("data", step):
+                fetched = session.feed.next_unless(session.stop.at_wait)
+        except StopIteration:
+            raise TrainingError(
+                f"the training data ran out before step {step}; repeat it (e.g. grain's "
+                ".repeat()) or lower run.steps"
+            ) from None
+        if fetched is None:
+            return None
+        batch, session.data_state = fetched
+        return batch
+
+    def _dispatch(self, session: Session, step: int, batch: Batch) -> None:
+        """Queue `step` on the device and, while it runs, read the earlier steps that have
+        finished (and the oldest anyway, until at most `IN_FLIGHT` are unread)."""
+        session.profile.before_step(step, session.state)
+        with session.timing("step"), session.watch("step"):
+            session.state, metrics = session.train_step(session.state, batch)
+            metrics.start_copy()
+            self._read_finished(session.pending, session.progress, keep=IN_FLIGHT - 1)
+        session.profile.after_step(step, metrics)
+        wait_s = session.feed.last_wait_s
+        session.pending.append(StepRecord(step, metrics, wait_s, session.data_state, batch))
+
+    def _save_or_eval(self, session: Session, step: int, saving: bool, evaluating: bool) -> bool:
+        """After a step that saves or evaluates: read every step, evaluate, save; True when a
+        stop request ends the loop at `step`."""
+        stop, timing, watch = session.stop, session.timing, session.watch
+        # Read all now: never save a NaN; this step's line is on disk before its checkpoint can
+        # become the resume point (a resume truncates lines after it), and before an eval's line.
+        with timing("step"), watch("step"):  # waiting for its result: step time
+            self._read_finished(session.pending, session.progress, keep=0, last=stop.requested)
+        if evaluating and self.sources.make_eval is not None:
+            # a stop decided at this step lets its eval finish; one during it ends it
+            stopped = (lambda: False) if stop.requested else stop.at_wait
+            with timing("eval"), watch("eval"):
+                eval_row = self._eval_metrics(session.state, stopped)
+            if eval_row is not None:
+                result = session.progress.result
+                result.eval_loss, result.eval_step = eval_row["eval_loss"], step
+                self.writer.write(step, eval_row)
+            else:  # a stop came while it waited for eval data: this step is the last
+                self._write_unlogged_line(step, session.progress)
+                saving = True
+        if evaluating and self.sampler is not None:
+            with timing("eval"), watch("eval"):
+                self.sampler(step, session.state)
+        if saving:
+            if stop.requested:  # the run's last save: a second SIGINT lets it finish
+                stop.saving_last(step)
+            self._save(session, step)
+        session.progress.clock = time.perf_counter()  # every step was read: the next starts now
+        if stop.requested:
+            session.feed.give_up()  # its read under way, which may never return, is not waited for
+        return stop.requested
+
+    def _save(self, session: Session, step: int) -> None:
+        """Checkpoint `step`: its state and the data position after its batch."""
+        with session.timing("checkpoint"), session.watch("checkpoint"):
+            blocked = self.checkpointer.save(step, session.state, session.data_state, self.meta)
+        self.writer.write(step, {"ckpt_block_s": blocked})
+        session.saved = step
+
+    def _stop_between_steps(self, session: Session, step: int) -> None:
         """A stop while waiting for the batch after `step`, the last completed one: its line
         and, unless it has one, its checkpoint, as a stop after a step writes them."""
-        with self.goodput.timing("step"), progress.watchdog.phase("step"):
-            self._read_finished(pending, progress, keep=0, last=True)  # never save a NaN
-        self._write_unlogged_line(step, progress)
-        if step > saved:
-            self._save(step, state, data_state, progress)
+        if step > session.saved:  # its save is the run's last: a second SIGINT lets it finish
+            session.stop.saving_last(step)
+        with session.timing("step"), session.watch("step"):  # all of them: never save a NaN
+            self._read_finished(session.pending, session.progress, keep=0, last=True)
+        self._write_unlogged_line(step, session.progress)
+        if step > session.saved:
+            self._save(session, step)
 
     def _write_unlogged_line(self, step: int, progress: Progress) -> None:
         """At a stop between `log.every` lines: the line of the steps up to `step`, as a stop
@@ -377,12 +405,7 @@ class Loop:
         batches, and its other aux scalars averaged the same way; None when `stopped()` turned
         true during it: between batches, or while waiting for one."""
         sums, weight = {}, 0.0
-        feed = DeviceFeed(
-            iter(make_eval()),
-            self.program.batch_sharding,
-            self.config.data.prefetch,
-            self.sources.feeders,
-        )
+        feed = self._feed(iter(make_eval()))
         with feed:
             for _ in range(self.config.eval.steps):
                 if stopped():  # a long eval of ready batches must not outlast a SIGTERM's grace
