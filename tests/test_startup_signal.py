@@ -38,3 +38,33 @@ def test_sigterm_during_startup_is_one_line_and_the_rerun_starts(tmp_path, repo_
     rerun = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert rerun.stderr.strip().splitlines()[-1].startswith("finished at step 1")
+
+
+# Sends SIGTERM 0.3 s into the compile of the state's init, as a preemption notice may come.
+SIGNALLED_WHILE_COMPILING = """
+import os, signal, sys, threading
+from jax._src import compiler
+compile_and_load = compiler.backend_compile_and_load
+def signalled_while_compiling(backend, module, *args, **kwargs):
+    if "jit_init" in str(module.operation.attributes["sym_name"]):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return compile_and_load(backend, module, *args, **kwargs)
+compiler.backend_compile_and_load = signalled_while_compiling
+import runpy
+runpy.run_module("trainer.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_sigterm_while_compiling_ends_with_one_line_not_a_segfault(tmp_path, repo_root):
+    """jax waits for a compile in a way the signal leaves; Python's exit then tore the runtime
+    down under XLA's compile threads: the line, then a segfault (exit -11, 139 in a shell), read
+    as a crash by Kubernetes and Slurm. The compile cache is off, so the compile happens, on one
+    device, as a GPU process has one (with 8 fake CPU devices the exit did not crash)."""
+    cmd = [sys.executable, "-c", SIGNALLED_WHILE_COMPILING, "--config", "configs/tiny.yaml"]
+    cmd += [*TINY, "run.steps=2", "log.tensorboard=false", f"run.workdir={tmp_path / 'run'}"]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    run = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(STARTUP_LINE), run.stderr[-2000:]
+    assert "Traceback" not in run.stderr

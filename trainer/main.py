@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
+INTERRUPTED = (
+    "interrupted without saving; re-run the same command to resume from the latest checkpoint"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
+    """The run's exit status. `ends_process`: the process ends with it (the CLI), so a stop
+    during start-up ends the process at once (`end_start_up`)."""
     args = parse_args(argv)
     dump_stacks_on_sigusr1()
     try:
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        summary, stopped = train(config)
+        summary, stopped = train(config, ends_process)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return end_alone_if_joined(USAGE_EXIT)
@@ -59,27 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: nothing was saved
         # (once the loop has ended with its saves written, Ctrl-C is a `Stopped` that says so)
         quiet_asyncio()
-        print(
-            "interrupted without saving; re-run the same command to resume from the latest "
-            "checkpoint",
-            file=sys.stderr,
-        )
+        print(INTERRUPTED, file=sys.stderr)
         return INTERRUPTED_EXIT
     print(summary, file=sys.stderr)
     return config.run.stop_exit_status if stopped else 0
 
 
-def train(config: Config) -> tuple[str, bool]:
+def train(config: Config, ends_process: bool = False) -> tuple[str, bool]:
     """Run `config`; the run's last line (where it finished, or where a SIGTERM outside the step
     loop stopped it), and whether it stopped before `run.steps`, in the loop or outside it."""
     from trainer.parallel.distributed import cluster_from_env, describe, initialize
     from trainer.preemption import OutsideLoop, Stopped  # heavy imports only when training
 
     cluster = cluster_from_env()
+    joining = describe(cluster) if cluster else ""
+    outside = OutsideLoop(cluster is None, joining, config.run.stop_exit_status)
     try:
-        joining = describe(cluster) if cluster else ""
-        stop_status = config.run.stop_exit_status
-        with OutsideLoop(cluster is None, joining, stop_status) as outside:
+        with outside:
             if cluster is not None:  # before any other JAX call (and before importing the trainer)
                 initialize(cluster, joined=outside.runtime_joined)
             from absl import flags
@@ -88,10 +89,23 @@ def train(config: Config) -> tuple[str, bool]:
             from trainer.train import run
 
             result = run(config)
-    except Stopped as stop:
+    except (Stopped, KeyboardInterrupt) as stop:
         quiet_asyncio()
+        if ends_process and not outside.loop_started:
+            end_start_up(stop, config.run.stop_exit_status)
+        if isinstance(stop, KeyboardInterrupt):
+            raise
         return stop.line(), True
     return finished(result, config.run.steps)
+
+
+def end_start_up(stop: BaseException, stop_status: int) -> NoReturn:
+    """End the process at a stop before the first step, with its line. jax waits for a compile
+    in a way a signal can leave, and Python's exit then tore the runtime down under XLA's compile
+    threads (a segfault). What the run opened was closed on the way here; nothing is saving."""
+    if isinstance(stop, KeyboardInterrupt):
+        exit_now(INTERRUPTED_EXIT, INTERRUPTED)
+    exit_now(stop_status, stop.line())
 
 
 def finished(result: RunResult, steps: int) -> tuple[str, bool]:
@@ -166,6 +180,6 @@ def end_at_once_on_sigint(status: int) -> None:
 
 if __name__ == "__main__":
     one_write_per_line()
-    exit_status = main()
+    exit_status = main(ends_process=True)
     end_at_once_on_sigint(exit_status)
     sys.exit(exit_status)
