@@ -274,9 +274,16 @@ def tiny_in_process(args, workdir):
     return run(load_config(REPO / "configs/tiny.yaml", [*args, f"run.workdir={workdir}"]))
 
 
+# One learning-rate schedule for runs whose checks do not depend on it, whatever their run.steps:
+# the schedule's length is compiled into the train step, so the runs that set this one share a
+# compiled step through the compilation cache (`shared_compile_cache`) instead of compiling one
+# per run.steps (several seconds each).
+SHARED_SCHEDULE = "optim.decay_steps=40"
+
+
 def tiny_run(corpus, workdir, steps=4):
     """The TINY model trained on `corpus` in `workdir` for `steps`: a checkpoint every 2 steps,
-    no eval before the last step, no TensorBoard."""
+    no eval before the last step, no TensorBoard, and the `SHARED_SCHEDULE`."""
     from trainer.config import load_config
 
     return load_config(
@@ -286,6 +293,7 @@ def tiny_run(corpus, workdir, steps=4):
             f"data.path={corpus}",
             f"run.workdir={workdir}",
             f"run.steps={steps}",
+            SHARED_SCHEDULE,
             "checkpoint.every=2",
             "eval.every=100",
             "log.tensorboard=false",

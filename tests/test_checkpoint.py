@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, tiny_cli
+from conftest import SHARED_SCHEDULE, TINY, tiny_cli
 
 from trainer.checkpoint import Checkpointer, param_shapes
 from trainer.config import CheckpointConfig, load_config
@@ -86,7 +86,7 @@ def test_sigterm_saves_and_resume_is_bit_identical(corpus, tmp_path, repo_root, 
     args = [
         *data,
         "run.steps=40",
-        "optim.decay_steps=40",
+        SHARED_SCHEDULE,
         "checkpoint.every=100",
         "eval.every=100",
         "log.every=1",
@@ -196,6 +196,7 @@ def test_keep_every_and_export_for_plain_orbax(corpus, tmp_path):
             corpus,
             workdir,
             "run.steps=8",
+            SHARED_SCHEDULE,
             "checkpoint.every=2",
             "checkpoint.keep=1",
             "checkpoint.keep_every=4",
@@ -231,11 +232,16 @@ def test_keep_every_and_export_for_plain_orbax(corpus, tmp_path):
 
 def test_init_from_starts_from_another_runs_parameters(corpus, tmp_path):
     first = tmp_path / "first"
-    run(base(corpus, first, "run.steps=30", "checkpoint.every=30", "eval.every=100"))
+    run(
+        base(
+            corpus, first, "run.steps=30", SHARED_SCHEDULE, "checkpoint.every=30", "eval.every=100"
+        )
+    )
     tuned = tmp_path / "tuned"
-    run(base(corpus, tuned, "run.steps=1", f"checkpoint.init_from={first}", "eval.every=100"))
+    init_from = f"checkpoint.init_from={first}"
+    run(base(corpus, tuned, "run.steps=1", SHARED_SCHEDULE, init_from, "eval.every=100"))
     fresh = tmp_path / "fresh"
-    run(base(corpus, fresh, "run.steps=1", "eval.every=100"))
+    run(base(corpus, fresh, "run.steps=1", SHARED_SCHEDULE, "eval.every=100"))
     assert losses_of(tuned)[1] < losses_of(fresh)[1] - 1.0
 
 
@@ -253,7 +259,7 @@ def test_sigkill_at_random_moments_loses_nothing(corpus, tmp_path, repo_root):
     args = [
         f"data.path={corpus}",
         "run.steps=24",
-        "optim.decay_steps=24",
+        SHARED_SCHEDULE,
         "checkpoint.every=2",
         "eval.every=100",
         "log.every=1",
@@ -313,7 +319,7 @@ def test_kill_right_after_a_checkpoint_commits_loses_no_metrics_line(
     """The resume point's own metrics line is on disk before its checkpoint commits, so a kill
     just after the commit leaves every step logged exactly once after the re-run."""
     args = [f"data.path={corpus}", "run.steps=8", "checkpoint.every=3", "log.every=1"]
-    args += ["eval.every=100", "optim.decay_steps=8"]
+    args += ["eval.every=100", SHARED_SCHEDULE]
     straight = uninterrupted_run(repo_root, args, tmp_path / "straight")
     workdir = tmp_path / "killed"
     cli_args = ["--config", "configs/tiny.yaml", *args, f"run.workdir={workdir}"]

@@ -21,6 +21,10 @@ from trainer.program import build_program
 from trainer.step import next_token_loss
 
 STEPS = 200
+# One learning-rate schedule for every session of a resumed run below: its length is compiled
+# into the train step, so sessions of any run.steps with this one share a compiled step (JAX's
+# compilation cache, `conftest.shared_compile_cache`) instead of each compiling its own.
+SESSION_SCHEDULE = "optim.decay_steps=8"
 
 
 def boosted_loss(model, batch):
@@ -177,7 +181,7 @@ def test_a_resume_may_change_precision_and_a_layout_change_is_one_line(corpus, t
     from trainer.errors import ConfigError
 
     def session(steps, *overrides):
-        every = ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false"]
+        every = ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false", SESSION_SCHEDULE]
         paths = [f"data.path={corpus}", f"run.workdir={tmp_path}", f"run.steps={steps}"]
         trainer.run(load_config(None, [*TINY, *paths, *every, *overrides]))
 
@@ -210,6 +214,7 @@ def test_skipped_steps_counts_on_across_a_resume(corpus, tmp_path):
                 f"data.path={corpus}",
                 f"run.workdir={tmp_path}",
                 f"run.steps={steps}",
+                SESSION_SCHEDULE,
                 "checkpoint.every=2",
                 "eval.every=100",
                 "log.tensorboard=false",

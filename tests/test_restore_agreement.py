@@ -12,7 +12,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY, error_lines_of_a_user_error, preloadable_library, tiny_cli
+from conftest import (
+    SHARED_SCHEDULE,
+    TINY,
+    error_lines_of_a_user_error,
+    preloadable_library,
+    tiny_cli,
+)
 from test_multihost import on_two_joined_processes, run_args
 
 from trainer.checkpoint import checkpointer as checkpointer_module
@@ -203,7 +209,8 @@ def test_a_resume_agrees_on_its_newest_step_in_one_all_gather(corpus, tmp_path, 
 
     def session(steps: int) -> None:
         settings = [f"data.path={corpus}", f"run.workdir={tmp_path}", f"run.steps={steps}"]
-        run(load_config(None, [*TINY, *settings, "checkpoint.every=2", "log.tensorboard=false"]))
+        settings += [SHARED_SCHEDULE, "checkpoint.every=2", "log.tensorboard=false"]
+        run(load_config(None, [*TINY, *settings]))
 
     session(2)
     monkeypatch.setattr(checkpointer_module, "gather_rows", counted)

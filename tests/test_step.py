@@ -103,10 +103,17 @@ def reference_f32(batches):
 
 
 @pytest.fixture(scope="module")
-def float32_on_2x2x2(batches):
+def program_f32_2x2x2():
+    """The float32 program on the (2, 2, 2) mesh, built once per module: the tests that step it
+    some other way share its compiled plain step and its reference losses."""
+    return program_for((2, 2, 2), ["precision.compute=float32"])
+
+
+@pytest.fixture(scope="module")
+def float32_on_2x2x2(batches, program_f32_2x2x2):
     """Losses and final state of the plain float32 step on the (2, 2, 2) mesh, the reference of
     the tests that step that program some other way; trained once per module."""
-    return losses(program_for((2, 2, 2), ["precision.compute=float32"]), batches)
+    return losses(program_f32_2x2x2, batches)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -178,14 +185,16 @@ def test_state_is_sharded_as_the_rules_say():
     assert kernel.addressable_shards[0].data.shape == (2, 64 // 4, 128 // 2)
 
 
-def test_the_loops_cpu_step_equals_the_donating_step(batches, compile_events):
+def test_the_loops_cpu_step_equals_the_donating_step(
+    batches, program_f32_2x2x2, float32_on_2x2x2, compile_events
+):
     """On CPU the loop steps into a spare state (`TrainProgram.stepper`): the same numbers as
     the in-place step, no compile after the first step, and a state stepped out of turn (another
     run's) is never used as a spare, so it survives to be stepped again."""
-    program = program_for((2, 2, 2), ["precision.compute=float32"])
+    program = program_f32_2x2x2
     step = program.stepper()
     assert step is not program.train_step  # the test devices are CPUs
-    reference, _ = losses(program, batches)
+    reference, _ = float32_on_2x2x2  # this program's own donating step
     state, other = program.init(), program.init()
     got = []
     with jax.set_mesh(program.mesh):
@@ -204,14 +213,14 @@ def test_the_loops_cpu_step_equals_the_donating_step(batches, compile_events):
 
 
 def test_the_loops_in_place_step_takes_the_feeds_batches_as_compiled(
-    batches, float32_on_2x2x2, compile_events
+    batches, program_f32_2x2x2, float32_on_2x2x2, compile_events
 ):
     """The loop's step on GPU/TPU (in place, forced here on CPU): the device feed's batches
     arrive in exactly the shardings it was compiled for, so no step reshards or copies them
     (host-to-device and device-to-device transfers are refused while it steps), the state is
     donated rather than copied, nothing compiles after the first step, and its one packed
     metrics vector reads the same numbers as the plain step's metrics."""
-    program = program_for((2, 2, 2), ["precision.compute=float32"])
+    program = program_f32_2x2x2
     step = program.stepper(in_place=True)
     reference, _ = float32_on_2x2x2
     state = program.init()

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 
 from trainer.config import load_config
 from trainer.loop import Loop
@@ -38,7 +38,7 @@ def test_train_learns_checkpoints_and_resumes_exactly(corpus, tmp_path, monkeypa
                 f"run.steps={steps}",
                 "checkpoint.every=10",
                 "eval.every=10",
-                "optim.decay_steps=40",
+                "optim.decay_steps=40",  # conftest.SHARED_SCHEDULE: a compiled step others share
             ],
         )
 
@@ -90,6 +90,7 @@ def test_cli_run_then_resume(corpus, tmp_path, repo_root):
                 f"data.path={corpus}",
                 f"run.workdir={workdir}",
                 f"run.steps={steps}",
+                SHARED_SCHEDULE,  # the resume compiles nothing new
                 "checkpoint.every=5",
                 "eval.every=5",
                 "log.every=5",
@@ -111,7 +112,14 @@ def test_cli_run_then_resume(corpus, tmp_path, repo_root):
 
 
 def two_step_settings(corpus) -> list[str]:
-    return [*TINY, f"data.path={corpus}", "run.steps=2", "checkpoint.every=2", "eval.every=2"]
+    return [
+        *TINY,
+        f"data.path={corpus}",
+        "run.steps=2",
+        SHARED_SCHEDULE,
+        "checkpoint.every=2",
+        "eval.every=2",
+    ]
 
 
 @pytest.fixture(scope="module")
