@@ -184,6 +184,9 @@ def test_a_write_that_failed_after_the_save_ended_is_not_a_traceback(failure, lo
     full or unwritable folder is the checkpointer's to say; any other failure is still logged."""
     from trainer.checkpoint.manager import background_failures_reported_by_us
 
+    # a stopped in-process run before this one (`main.quiet_asyncio`) silenced asyncio's logger
+    caplog.set_level(logging.ERROR, logger="asyncio")
+
     async def write():
         raise failure
 
