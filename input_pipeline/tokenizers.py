@@ -157,8 +157,10 @@ class HFTokenizer:
         self._tok.no_padding()  # transformers applies neither unless a call asks, nor does prepare
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.config = hf_config(self.model_file.with_name(HF_TOKENIZER_CONFIG))
-        self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
         self.ends = special_ends(self._tok)  # the ids its post-processor puts around a text
+        self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
+        if "bos_token" not in self.config and self.ends is not None and len(self.ends[0]) == 1:
+            self.bos_id = self.ends[0][0]  # no config to name it: the one id before every text
         cuts = self.ends is not None and hf_cuts_exactly(settings)
         self.piece_chars = piece_chars if cuts else None
 

@@ -325,3 +325,13 @@ def test_a_special_token_missing_from_the_vocabulary_is_refused_in_one_line(tmp_
         f"tokenizer.json's vocabulary; set {role} to one of its tokens, or remove it"
     ) in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_bos_of_a_folder_without_tokenizer_config_is_the_one_its_texts_start_with(tmp_path):
+    """Before: None without a tokenizer_config.json to name it, so an export's config.json said
+    `bos_token_id: null` for data whose every record starts with the post-processor's BOS."""
+    tokenizer = HFTokenizer(bare_hf_folder(tmp_path / "source") / "tokenizer.json")
+    first = int(tokenizer.encode("some text")[0])
+    assert tokenizer._tok.id_to_token(first) == "<|begin_of_text|>"
+    assert tokenizer.bos_id == first
+    assert tokenizer.eos_id is None  # nothing names one, and nothing ends every text
