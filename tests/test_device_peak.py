@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.observe.flops import peak_tflops_of, precision_warning
+from trainer.models.attention import precision_warning
+from trainer.observe.flops import peak_tflops_of
 from trainer.plan.gpu import GPUS
 
 

@@ -17,7 +17,7 @@ from trainer.config import load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
 from trainer.models import builder_for_vocab
-from trainer.observe.flops import precision_warning
+from trainer.models.attention import precision_warning
 from trainer.parallel import sharding
 from trainer.plan import Target, gpu_target, main, measure, step_shape
 from trainer.plan.changes import changes, knob_steps

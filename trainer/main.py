@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
     """The run's exit status. `ends_process`: the process ends with it (the CLI), so a stop
-    during start-up ends the process at once (`end_start_up`)."""
+    during start-up ends the process at once (see `train`)."""
     args = parse_args(argv)
     dump_stacks_on_sigusr1()
     try:
@@ -89,23 +89,21 @@ def train(config: Config, ends_process: bool = False) -> tuple[str, bool]:
             from trainer.train import run
 
             result = run(config)
-    except (Stopped, KeyboardInterrupt) as stop:
+    # A stop before the first step may have left a compile running on XLA's threads (jax waits
+    # for one in a way a signal can leave), and Python's exit then tore the runtime down under
+    # it (a segfault): a process that ends with the run ends at once, with the stop's line. What
+    # the run opened was closed on the way here, and nothing is saving.
+    except Stopped as stop:
         quiet_asyncio()
         if ends_process and not outside.loop_started:
-            end_start_up(stop, config.run.stop_exit_status)
-        if isinstance(stop, KeyboardInterrupt):
-            raise
+            exit_now(config.run.stop_exit_status, stop.line())
         return stop.line(), True
+    except KeyboardInterrupt:
+        if ends_process and not outside.loop_started:
+            quiet_asyncio()
+            exit_now(INTERRUPTED_EXIT, INTERRUPTED)
+        raise
     return finished(result, config.run.steps)
-
-
-def end_start_up(stop: BaseException, stop_status: int) -> NoReturn:
-    """End the process at a stop before the first step, with its line. jax waits for a compile
-    in a way a signal can leave, and Python's exit then tore the runtime down under XLA's compile
-    threads (a segfault). What the run opened was closed on the way here; nothing is saving."""
-    if isinstance(stop, KeyboardInterrupt):
-        exit_now(INTERRUPTED_EXIT, INTERRUPTED)
-    exit_now(stop_status, stop.line())
 
 
 def finished(result: RunResult, steps: int) -> tuple[str, bool]:

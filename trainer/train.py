@@ -33,9 +33,9 @@ from trainer.hf import hf_folder
 from trainer.hf.tokenizer import other_tokenizer_warning
 from trainer.loop import Loop, RunResult, check_mixture_eval_step
 from trainer.models import pipeline_spec, run_model
-from trainer.models.attention import CheckedBatches
+from trainer.models.attention import CheckedBatches, precision_warning
 from trainer.models.spec import ModelSpec
-from trainer.observe.flops import device_peak_tflops, precision_warning
+from trainer.observe.flops import device_peak_tflops
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.parallel import sharding

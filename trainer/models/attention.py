@@ -83,6 +83,20 @@ def bf16_dots_refused(platform: str, compute_capability: str | None, dtype: Any)
     return platform == "gpu" and capability is not None and capability < (8, 0) and bf16
 
 
+def precision_warning(compute: str, device: Any) -> str | None:
+    """A line for bf16 compute on a device `bf16_dots_refused` names (a GPU before Ampere, which
+    has no bf16 tensor cores): float16 is the precision that uses them (README, "Precision").
+    `device`: a `jax.Device`, or the plan's `Gpu`. None elsewhere."""
+    capability = getattr(device, "compute_capability", None)
+    if not bf16_dots_refused(device.platform, capability, compute):
+        return None
+    return (
+        f"warning: precision.compute=bfloat16 on {device.device_kind} (compute capability "
+        f"{capability}), which has no bf16 tensor cores: its matmuls run at fp32 speed or "
+        "slower; set precision.compute=float16 for its tensor cores (its loss is scaled for you)"
+    )
+
+
 def _packed_preference(requested: str, facts: AttentionFacts) -> list[Kernel]:
     """Kernels for packed rows on a GPU where cuDNN runs, fastest first (H200 figures in
     BENCHMARKS.md); the last one always runs."""

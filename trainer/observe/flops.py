@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import jax
 
@@ -47,19 +46,3 @@ def device_peak_tflops(override: float | None = None) -> float | None:
     if override:
         return override
     return peak_tflops_of(jax.devices()[0].device_kind)
-
-
-def precision_warning(compute: str, device: Any) -> str | None:
-    """A line for bf16 compute on a CUDA GPU older than Ampere (compute capability below 8.0),
-    which has no bf16 tensor cores: float16 is the precision that uses them (README,
-    "Precision"). None elsewhere."""
-    capability = getattr(device, "compute_capability", None)
-    if compute != "bfloat16" or device.platform != "gpu" or not capability:
-        return None
-    if tuple(int(part) for part in capability.split(".")) >= (8, 0):
-        return None
-    return (
-        f"warning: precision.compute=bfloat16 on {device.device_kind} (compute capability "
-        f"{capability}), which has no bf16 tensor cores: its matmuls run at fp32 speed or "
-        "slower; set precision.compute=float16 for its tensor cores (its loss is scaled for you)"
-    )

@@ -31,7 +31,7 @@ from trainer.config import Config, load_config
 from trainer.data import check_batch_layout
 from trainer.errors import ConfigError
 from trainer.models import builder_for_vocab, model_spec
-from trainer.observe.flops import precision_warning
+from trainer.models.attention import precision_warning
 from trainer.parallel import sharding
 from trainer.parallel.offload import device_bytes
 from trainer.plan import cost

@@ -56,7 +56,7 @@ class Gpu:
     host_link: float  # PCIe bytes/s each way, as pinned copies achieve
     interconnect: float  # NVLink bytes/s each way; PCIe's where the GPU has none
 
-    platform = "gpu"  # read as a `jax.Device` is, by `observe.flops.precision_warning`
+    platform = "gpu"  # read as a `jax.Device` is, by `attention.precision_warning`
 
     @property
     def device_kind(self) -> str:
