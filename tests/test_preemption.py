@@ -169,3 +169,27 @@ def test_a_sigint_that_python_ignores_stays_ignored_after_the_loop():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def _c_extension_import() -> None:
+    """What a pybind11 module's import does when a signal's exception cuts its initialization."""
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    except BaseException as err:
+        raise ImportError("initialization failed") from err
+
+
+def test_a_stop_that_cut_a_c_extensions_import_is_that_stop():
+    """A SIGTERM while tensorstore's extension module was being imported ended in an ImportError
+    traceback and exit 1, where any other start-up stop is one line and the stop's status."""
+    with pytest.raises(Stopped) as stopped, OutsideLoop(single_process=True):
+        _c_extension_import()
+    assert stopped.value.line().startswith("stopped by SIGTERM during start-up")
+
+
+def test_an_error_raised_while_handling_a_stop_stays_that_error():
+    with pytest.raises(OSError), OutsideLoop(single_process=True):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except Stopped:
+            raise OSError("a cleanup failed")  # noqa: B904 (the stop is its context, not cause)

@@ -158,6 +158,19 @@ class Stopped(BaseException):
         )
 
 
+def stop_behind(err: BaseException) -> Stopped | KeyboardInterrupt | None:
+    """The stop that `err` was raised from, if one was: a C extension module whose import a
+    signal cut reports `ImportError: initialization failed`, raised from the stop. Only causes
+    count: an error raised while handling a stop (in a cleanup) is an error of its own."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, (Stopped, KeyboardInterrupt)):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None
+
+
 class OutsideLoop:
     """A context manager, held around a whole run, that turns a SIGTERM while no `StopRequest`
     holds it into the end of the run with one line. SIGINT keeps its `KeyboardInterrupt` (nothing
@@ -233,7 +246,7 @@ class OutsideLoop:
             self._installed = True
         return self
 
-    def __exit__(self, exc_type, *_exc) -> None:
+    def __exit__(self, exc_type, exc, _traceback) -> None:
         if self._installed:
             if not self._runtime_has_sigterm:  # restoring the old one would remove JAX's
                 signal.signal(signal.SIGTERM, self._previous)
@@ -244,3 +257,5 @@ class OutsideLoop:
             self._installed = False
             if exc_type is None:
                 self.raise_swallowed()  # a stop swallowed while the run closed
+            elif (stop := stop_behind(exc)) is not None and stop is not exc:
+                raise stop from None  # e.g. a C extension's import turned it into an ImportError
