@@ -8,6 +8,8 @@
 `.parquet` files hold one document per row in a `text` column (`--text-field` names another). A
 row or line whose text is null is skipped and counted (the last line says how many; `dataset.json`
 records it as `null_texts_skipped`); any other value that is not text is refused.
+`--eval-fraction` holds out whole documents, chosen by content: a corpus of one `.txt` file gets
+no eval split (said in one line), or none to train on; name held-out files with `--eval-input`.
 `--tokenizer sentencepiece --vocab-size N` trains a SentencePiece model on a bounded sample of the
 training text (`--tokenizer-sample-sentences`); `--tokenizer PATH.model` uses an existing one, and
 `--tokenizer hf:PATH` a Hugging Face folder's `tokenizer.json` (offline, `tokenizers` library).
@@ -16,11 +18,13 @@ Each is stored in the dataset folder.
 Documents stream from the files to the shard writers in groups of about `--group-mb` of input,
 tokenized by `--workers` processes (default: every core), so memory grows neither with the corpus
 nor with its number of groups (each process hands a finished group's memory back). Groups are
-written into `.<output>.partial/` and marked finished one by one: re-running a killed prepare
-with the same command resumes it. `--num-parts N --part i` prepares one slice of the groups (a
-Slurm array task, or one of N processes); the last part to finish, or a final run with
-`--merge`, writes `dataset.json`. The output appears atomically: a killed prepare never leaves a
-folder that looks complete.
+written into `.<output>.partial/` and marked finished one by one: re-running a killed (or
+Ctrl-C'd) prepare with the same command resumes it, and one with changed input files (a fixed
+line, an added file) keeps the groups whose files are unchanged; one with other options is
+refused while groups are finished (delete that folder to start over).
+`--num-parts N --part i` prepares one slice of the groups (a Slurm array task, or one of N
+processes); the last part to finish, or a final run with `--merge`, writes `dataset.json`. The
+output appears atomically: a killed prepare never leaves a folder that looks complete.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from input_pipeline.dataset_info import INFO_FILE, NULL_TEXTS
-from input_pipeline.documents import input_files, plan_groups, sample_lines
+from input_pipeline.documents import check_disjoint, input_files, plan_groups, sample_lines
 from input_pipeline.errors import DataError
 from input_pipeline.records import token_dtype
 from input_pipeline.shard_groups import (
@@ -51,6 +55,7 @@ from input_pipeline.shard_groups import (
 )
 from input_pipeline.staging import (
     check_output_folder,
+    check_output_name,
     finish,
     make_folder,
     open_staging,
@@ -62,6 +67,7 @@ from input_pipeline.staging import (
 )
 from input_pipeline.tokenizers import (
     TRAINING_SENTENCES,
+    SentencePieceTokenizer,
     Tokenizer,
     make_tokenizer,
 )
@@ -94,6 +100,7 @@ def prepare_dataset(
     skipped and counted, as a null text is by the CLI, and said on stderr."""
     output = Path(output_dir)
     _check_options(output, overwrite, format, eval_fraction, max_record_tokens)
+    _check_tokenizer_options(tokenizer, vocab_size, sample_sentences)
     # a name no other preparer uses: one by pid is the same for two hosts' processes of equal
     # pids (containers), which prepare the same built-in corpus into a shared cache at once
     staging = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex}")
@@ -152,6 +159,7 @@ def prepare_files(
     finished groups; with `num_parts > 1` only part `part` of them. Returns the dataset folder
     once it is complete, or None while other parts still have groups to write."""
     output = Path(output_dir)
+    check_output_name(output)
     staging = output.with_name(f".{output.name}.partial")
     if merge and (output / INFO_FILE).exists() and not staging.exists():
         return output  # the last part to finish merged already
@@ -168,7 +176,9 @@ def prepare_files(
         raise DataError(f"--workers {workers} is not a count; give 1 or more (0: every core)")
     if num_parts < 1 or not 0 <= part < num_parts:
         raise DataError(f"--part {part} is not in 0..{num_parts - 1} (--num-parts {num_parts})")
+    _check_tokenizer_options(tokenizer, vocab_size, sample_sentences)
     eval_files = input_files(eval_inputs, "--eval-input") if eval_inputs else []
+    check_disjoint(files, eval_files)
     groups = plan_groups(files, eval_files, max(1, int(group_mb * 2**20)))
     explicit = bool(eval_files)
     options = {
@@ -216,18 +226,40 @@ def prepare_files(
 def _check_options(
     output: Path, overwrite: bool, format: str, eval_fraction: float, max_record_tokens: int
 ) -> None:
+    check_output_name(output)
     if (output / INFO_FILE).exists() and not overwrite:
         raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
     check_output_folder(output)
     if format not in FORMATS:
         raise DataError(f"--format {format} is unknown; use one of {', '.join(FORMATS)}")
     if not 0.0 <= eval_fraction < 1.0:
-        raise DataError(f"--eval-fraction={eval_fraction} must be in [0, 1)")
+        raise DataError(
+            f"--eval-fraction={eval_fraction} must be in [0, 1): the share of documents held out "
+            "for evals, e.g. 0.01 (0: no eval split)"
+        )
     if max_record_tokens < 2:  # a record is trained on as next-token pairs
         raise DataError(
             f"--max-record-tokens {max_record_tokens} leaves no next-token pair in a record; give "
             f"at least 2 (default {DEFAULT_MAX_RECORD_TOKENS})"
         )
+
+
+def _check_tokenizer_options(tokenizer: str, vocab_size: int | None, sample_sentences: int) -> None:
+    """Refuse tokenizer options that would be ignored or fail late, and a `.model` file that is
+    not one (named as given, before it is copied into the staging folder)."""
+    if vocab_size is not None and tokenizer != "sentencepiece":
+        raise DataError(
+            f"--vocab-size {vocab_size} sizes a SentencePiece model trained here, but --tokenizer "
+            f"{tokenizer} brings its own vocabulary; add --tokenizer sentencepiece, or drop "
+            "--vocab-size"
+        )
+    if sample_sentences < 1:
+        raise DataError(
+            f"--tokenizer-sample-sentences {sample_sentences} gives SentencePiece no text to "
+            f"learn from; give 1 or more lines (default {TRAINING_SENTENCES:,})"
+        )
+    if tokenizer.endswith(".model") and Path(tokenizer).is_file():
+        SentencePieceTokenizer(tokenizer)  # a DataError naming the file when it is not a model
 
 
 def _recipe(
@@ -311,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        say_interrupted(Path(args.output_dir))
+        return 130
     if out is None:
         print(
             f"part {args.part} of {args.num_parts} done; the last part to finish (or --merge) "
@@ -324,7 +359,38 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {split['documents']} documents, {split['tokens']:,} tokens", file=sys.stderr
         )
     say_null_texts(info.get(NULL_TEXTS, 0), f"whose {args.text_field!r} is null")
+    if args.eval_fraction > 0 and not args.eval_inputs and "eval" not in info["splits"]:
+        say_no_eval_split(args.eval_fraction, info["splits"]["train"]["documents"])
     return 0
+
+
+def say_no_eval_split(eval_fraction: float, documents: int) -> None:
+    """One line when `--eval-fraction` asked for held-out text and the dataset got none (a
+    corpus of one document, which training keeps): runs on it would skip evals unannounced."""
+    if documents == 1:
+        held = (
+            f"the corpus is one document (a .txt file is one), which training keeps, so "
+            f"--eval-fraction {eval_fraction:g} held out none"
+        )
+    else:
+        held = f"--eval-fraction {eval_fraction:g} held out none of the {documents:,} documents"
+    print(
+        f"no eval split: {held}; runs on it train without evals. For evals give more documents "
+        "(a .jsonl file holds one a line) or name held-out text with --eval-input",
+        file=sys.stderr,
+    )
+
+
+def say_interrupted(output: Path) -> None:
+    """Ctrl-C's one line, instead of a traceback from every process: what is kept and how the
+    same command resumes it."""
+    staging = output.with_name(f".{output.name}.partial")
+    kept = (
+        f"the finished groups stay in {staging}: re-run the same command to resume"
+        if staging.is_dir()
+        else "nothing was written"
+    )
+    print(f"interrupted: {output} was not written; {kept}", file=sys.stderr)
 
 
 def say_null_texts(skipped: int, which: str) -> None:

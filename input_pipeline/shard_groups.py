@@ -3,8 +3,9 @@ dataset. A group is written in its own folder and marked finished last, so a kil
 re-runs only unfinished groups, and hosts (`--num-parts`) never write the same file.
 
 The held-out split is chosen per document by content (`is_eval_document`). A corpus with no
-held-out document at all still gets one: the last training document of the last group, which
-that group keeps aside (`fallback`) until the merge knows whether any group found one.
+held-out document at all still gets one: the last training document of the last group that has
+a next-token pair (an empty one would make an empty eval split), which that group keeps aside
+(`fallback`) until the merge knows whether any group found one.
 
 A null text (document `None`) is skipped; each group counts its own (`null_texts` in `done.json`)
 and the merge adds them up, so the count is the same however the groups were written.
@@ -102,6 +103,9 @@ class _GroupWriter:
         self.null_texts = 0  # documents skipped for a null text
         self.pending: dict[str, list[str]] = {s: [] for s in SPLITS}
         self.hold_last = last_group and recipe.eval_fraction > 0 and not recipe.explicit_eval
+        # the records of the last training document that has any, written last: the fallback
+        # eval document's candidate (an empty or one-token document would make an empty eval)
+        self.held: list[np.ndarray] | None = None
 
     def add(self, text: str | None, split: str | None) -> None:
         """One document into `split` (None: chosen by its content); a null text is counted."""
@@ -116,34 +120,37 @@ class _GroupWriter:
         split = split or ("eval" if self.recipe.is_eval(text) else "train")
         self.pending[split].append(text)
         self.documents[split] += 1
-        # the last train document may be held back, so one always stays pending
-        if len(self.pending[split]) > ENCODE_BATCH:
-            self._flush(split, keep=1)
+        if len(self.pending[split]) >= ENCODE_BATCH:
+            self._flush(split)
 
     def _records(self, tokens: np.ndarray) -> list[np.ndarray]:
         """A document's records: at least one next-token pair each, long documents cut."""
         return [p for p in split_long(tokens, self.recipe.max_record_tokens) if len(p) > 1]
 
-    def _flush(self, split: str, keep: int = 0) -> None:
-        texts = self.pending[split]
-        cut = len(texts) - keep
-        self.pending[split] = texts[cut:]
-        for tokens in self.tok.encode_batch(texts[:cut]) if cut else []:
-            for record in self._records(tokens):
-                self.shards[split].write(record)
+    def _flush(self, split: str) -> None:
+        texts, self.pending[split] = self.pending[split], []
+        for tokens in self.tok.encode_batch(texts) if texts else []:
+            records = self._records(tokens)
+            if self.hold_last and split == "train" and records:  # the new candidate
+                self._write(split, self.held or [])
+                self.held = records
+            else:
+                self._write(split, records)
+
+    def _write(self, split: str, records: list[np.ndarray]) -> None:
+        for record in records:
+            self.shards[split].write(record)
 
     def finish(self) -> dict[str, Any]:
         self._flush("eval")
+        self._flush("train")
         aside = False  # the last training document kept aside as the corpus's fallback eval
-        if self.hold_last and self.pending["train"]:
-            last = self.pending["train"].pop()
-            self._flush("train")
+        if self.held is not None:
             aside = not self.documents["eval"]  # a group with a held-out document needs none
             target = self.fallback if aside else self.shards["train"]
             self.documents["train"] -= aside
-            for record in self._records(self.tok.encode(last)):
+            for record in self.held:
                 target.write(record)
-        self._flush("train")
         manifest: dict[str, Any] = {
             "splits": {s: _split_entry(self.documents[s], self.shards[s].close()) for s in SPLITS},
             "null_texts": self.null_texts,

@@ -17,6 +17,7 @@ from input_pipeline.prepare import main as prepare_main
 from input_pipeline.prepare import prepare_dataset
 from input_pipeline.reading import Reading
 from input_pipeline.records import token_dtype
+from input_pipeline.shard_groups import is_eval_document
 from input_pipeline.tokenizers import SENTENCEPIECE_FILE, get_tokenizer
 from trainer.config import load_config
 from trainer.data import load_dataset
@@ -155,13 +156,20 @@ BAD_INPUTS = {  # an input prepare cannot read as meant -> what its one-line err
     "sub": "matches no file (only the folders",
     "latin1.txt": "latin1.txt is not UTF-8 text (byte 3); convert it",
     "binary.txt": "binary.txt is not UTF-8 text (byte 128)",
-    "latin1.jsonl": "latin1.jsonl is not UTF-8 text (byte 28)",
-    "number.jsonl": "(byte 15): field 'text' holds int, not text; name the text field",
+    "latin1.jsonl": "latin1.jsonl line 2 is not UTF-8 text (byte 28)",
+    "number.jsonl": "line 2 (byte 15): field 'text' holds int, not text; name the text field",
     "null.jsonl": "no training documents (1 skipped for a null text) for",
-    "list.jsonl": "(byte 15): field 'text' holds list, not text",
-    "object.jsonl": "(byte 15): field 'text' holds dict, not text",
-    "broken.jsonl": "(line at byte 15) is not valid JSON (",
-    "surrogate.jsonl": "(byte 15): field 'text' holds an unpaired surrogate escape",
+    "list.jsonl": "line 2 (byte 15): field 'text' holds list, not text",
+    "object.jsonl": "line 2 (byte 15): field 'text' holds dict, not text",
+    "broken.jsonl": "broken.jsonl line 2 (byte 15) is not valid JSON (",
+    "surrogate.jsonl": "line 2 (byte 15): field 'text' holds an unpaired surrogate escape",
+    "array.jsonl": "array.jsonl line 3 (byte 16) is a JSON array, not an object; each line",
+    "bare.jsonl": "bare.jsonl line 2 (byte 15) is a JSON number, not an object",
+    "renamed.jsonl": "line 2 (byte 15) has no 'text' field (its fields: 'body'); name the text",
+    "corpus.txt.gz": "unsupported input type .gz; decompress it first (gunzip -k",
+    "rows.json": "unsupported input type .json; write one JSON object per line to a .jsonl",
+    "link.txt": "link.txt is a broken link (to ",
+    "empty.parquet": "/out: the --input files hold no text; check the --input files",
     "empty.txt": "no training tokens (every document is empty)",
     "numbers.parquet": "column 'text' holds int64, not text; name the text column",
     "garbled.parquet": "garbled.parquet is not a readable parquet file (",
@@ -175,6 +183,10 @@ def write_bad_input(folder, name):
         path.mkdir()
     elif name == "numbers.parquet":
         pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+    elif name == "empty.parquet":
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    elif name == "link.txt":
+        path.symlink_to(folder / "moved-away.txt")
     elif name == "garbled.parquet":  # row groups garbled, footer intact: found only when read
         pq.write_table(pa.table({"text": texts(200)}), path, row_group_size=50)
         data = bytearray(path.read_bytes())
@@ -194,6 +206,11 @@ def write_bad_input(folder, name):
                 "broken.jsonl": b'{"text": "ok"}\n{"text": "unterminated\n',
                 "surrogate.jsonl": b'{"text": "ok"}\n{"text": "cut \\ud83d emoji"}\n',
                 "empty.txt": b"",
+                "array.jsonl": b'{"text": "ok"}\n\n[1, 2]\n',
+                "bare.jsonl": b'{"text": "ok"}\n7\n',
+                "renamed.jsonl": b'{"text": "ok"}\n{"body": "x"}\n',
+                "corpus.txt.gz": b"\x1f\x8b\x08\x00",
+                "rows.json": b'[{"text": "ok"}]',
             }[name]
         )
     return path
@@ -203,7 +220,10 @@ def write_bad_input(folder, name):
 def test_inputs_prepare_would_misread_are_refused_in_one_line(tmp_path, capsys, name):
     """Before: a folder, an int text field and an empty file gave tracebacks or an unusable
     dataset, and non-UTF-8 bytes became U+FFFD replacement tokens without a word (and a JSON
-    escape of an unpaired surrogate became '?', or a SentencePiece error blaming the vocab size)."""
+    escape of an unpaired surrogate became '?', or a SentencePiece error blaming the vocab size).
+    Then: a bad JSONL line was named by its byte alone, a line holding an array or a number was
+    told to fix --text-field, a broken link was a FileNotFoundError traceback, and a .gz or
+    .json file was refused without the conversion it needs."""
     path = write_bad_input(tmp_path / "in", name)
     assert prepare_main(["--input", str(path), "--output", str(tmp_path / "out")]) == 2
     assert BAD_INPUTS[name] in capsys.readouterr().err
@@ -313,12 +333,21 @@ def test_every_arrow_text_type_reads_as_text(tmp_path, capsys, encoding):
         (["--max-record-tokens", "1"], "--max-record-tokens 1 leaves no next-token pair"),
         (["--num-shards", "0"], "--num-shards 0 writes no shard; give at least 1"),
         (["--workers", "-3"], "--workers -3 is not a count; give 1 or more (0: every core)"),
+        (["--eval-fraction", "1"], "--eval-fraction=1.0 must be in [0, 1): the share of"),
+        (["--vocab-size", "32000"], "--vocab-size 32000 sizes a SentencePiece model trained"),
+        (
+            ["--tokenizer", "sentencepiece", "--vocab-size", "300"]
+            + ["--tokenizer-sample-sentences", "0"],
+            "--tokenizer-sample-sentences 0 gives SentencePiece no text to learn from",
+        ),
     ],
 )
 def test_sizes_prepare_cannot_use_are_refused_in_one_line(tmp_path, capsys, option, message):
     """Before: nan/inf --group-mb and --max-record-tokens 0 were tracebacks, 0 MB groups cut
     every JSONL line into a group of its own, --max-record-tokens 1 blamed empty input, and
-    --num-shards 0 and --workers -3 silently ran as 1."""
+    --num-shards 0 and --workers -3 silently ran as 1. Then: --vocab-size with the byte
+    tokenizer was ignored without a word, and --tokenizer-sample-sentences 0 failed in
+    SentencePiece's training, blaming the vocabulary size."""
     (tmp_path / "doc.txt").write_text(texts(1)[0])
     out = tmp_path / "out"
     assert prepare_main(["--input", str(tmp_path / "doc.txt"), "--output", str(out), *option]) == 2
@@ -340,3 +369,88 @@ def test_eval_input_without_a_document_is_refused_at_prepare(tmp_path, capsys, h
     said = " (2 skipped for a null text)," if "nulls" in held_out else ","
     assert f"the --eval-input files of {out} hold no document{said}" in capsys.readouterr().err
     assert not out.exists()
+
+
+def one_document(held_out: bool, fraction: float = 0.1) -> str:
+    """A document --eval-fraction `fraction` holds out (or keeps for training)."""
+    for i in range(1000):
+        text = f"{texts(1)[0]}\nthe end, take {i}\n"
+        if is_eval_document(text, fraction) == held_out:
+            return text
+    raise AssertionError("no such document")
+
+
+def test_a_one_document_corpus_says_where_its_eval_split_went(tmp_path, capsys):
+    """Before: nanoGPT's one input.txt with --eval-fraction 0.1 ended with 'no training
+    documents; check the --input files' when the hash held the document out, and with no eval
+    split and not a word about it otherwise."""
+    (tmp_path / "eval.txt").write_text(one_document(held_out=True))
+    (tmp_path / "train.txt").write_text(one_document(held_out=False))
+    args = ["--eval-fraction", "0.1", "--no-progress", "--output"]
+    out = tmp_path / "out"
+    assert prepare_main(["--input", str(tmp_path / "eval.txt"), *args, str(out)]) == 2
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith(f"error: no training documents for {out}: --eval-fraction 0.1 held ")
+    assert "out its one document for eval (it holds out whole documents" in said
+    assert "lower --eval-fraction" in said and "--eval-input" in said
+    assert not out.exists() and not (tmp_path / ".out.partial").exists()  # nothing to resume
+    assert prepare_main(["--input", str(tmp_path / "train.txt"), *args, str(out)]) == 0
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith("no eval split: the corpus is one document (a .txt file is one)")
+    assert "runs on it train without evals" in said
+    assert "eval" not in load_dataset_info(out).raw["splits"]
+
+
+def test_options_that_name_no_usable_thing_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Before: --output . was a ValueError traceback, and a damaged .model file was named by
+    its copy in the hidden staging folder, a path the user never gave."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text(texts(1)[0])
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    for option, message in [
+        (["--output", "."], "--output '.' names no new folder; give the dataset's own folder"),
+        (["--output", "out", "--tokenizer", "bad.model"], "error: bad.model is not a readable"),
+    ]:
+        assert prepare_main(["--input", "doc.txt", "--no-progress", *option]) == 2
+        said = capsys.readouterr().err
+        assert message in said and ".partial" not in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.model", "doc.txt"]
+
+
+def test_each_input_file_is_read_once_and_never_both_trained_and_evaluated(tmp_path, capsys):
+    """Before: a held-out file that the --input glob matched too was trained on and evaluated,
+    a file named twice (a.txt, ./a.txt) was two documents, and A.TXT was refused as
+    unsupported."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, name in enumerate(["a.txt", "B.TXT", "held_out.txt"]):
+        (corpus / name).write_text(texts(3)[i])
+    out = tmp_path / "out"
+    overlap = ["--input", f"{corpus}/*", "--eval-input", str(corpus / "held_out.txt")]
+    assert prepare_main([*overlap, "--no-progress", "--output", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert "held_out.txt matched both --input and --eval-input, so it would be trained" in said
+    twice = ["--input", str(corpus / "a.txt"), "--input", f"{corpus}/./a.txt"]
+    upper = ["--input", str(corpus / "B.TXT"), "--eval-input", str(corpus / "held_out.txt")]
+    assert prepare_main([*twice, *upper, "--no-progress", "--output", str(out)]) == 0
+    splits = load_dataset_info(out).raw["splits"]
+    assert (splits["train"]["documents"], splits["eval"]["documents"]) == (2, 1)
+    assert splits["train"]["tokens"] == len(texts(3)[0].encode()) + len(texts(3)[1].encode())
+
+
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path, capsys):
+    """Before: a .jsonl file saved with a byte-order mark (PowerShell 5's utf8, Excel) was
+    refused at its first line, whose fix 'remove that line' lost a document, and a .txt file
+    trained on the mark's three bytes as text."""
+    doc = texts(1)[0]
+    lines = "".join(json.dumps({"text": t}) + "\r\n" for t in texts(4))
+    for name, content in [("doc.txt", doc), ("docs.jsonl", lines)]:
+        (tmp_path / name).write_text(content, newline="")
+        (tmp_path / f"bom-{name}").write_text(content, encoding="utf-8-sig", newline="")
+    for name in ("doc.txt", "docs.jsonl"):
+        for prefix in ("", "bom-"):
+            out = tmp_path / f"out-{prefix}{name}"
+            args = ["--input", str(tmp_path / f"{prefix}{name}"), "--eval-fraction", "0"]
+            assert prepare_main([*args, "--no-progress", "--output", str(out)]) == 0
+        plain, marked = (load_dataset_info(tmp_path / f"out-{p}{name}").raw for p in ("", "bom-"))
+        assert plain["splits"] == marked["splits"]

@@ -138,6 +138,17 @@ def test_a_corpus_without_held_out_documents_still_gets_one(tmp_path):
     assert records_of(out)["train"][0] == 4
 
 
+def test_the_fallback_eval_document_is_one_with_a_next_token_pair(tmp_path):
+    """Before: a small corpus whose last file was empty (or one character) held that one out as
+    its eval split, and prepare refused it: 'the 1 held-out documents hold no next-token pair'."""
+    docs = [f"document {i}" for i in range(5)]
+    out = prepare_dataset([*docs, "", "x"], tmp_path / "out", eval_fraction=1e-9, progress=False)
+    eval_documents, _, eval_records = records_of(out)["eval"]
+    assert eval_documents == 1
+    assert np.frombuffer(eval_records[0], np.uint8).tobytes().decode() == docs[-1]
+    assert records_of(out)["train"][0] == 6  # the empty and one-token documents stay counted
+
+
 def test_parts_share_one_trained_sentencepiece_model(tmp_path):
     write_corpus(tmp_path / "corpus", files=3)
     out = tmp_path / "sp"
@@ -320,3 +331,138 @@ def test_a_shard_written_after_its_stamp_is_hashed_at_the_first_start(tmp_path, 
     assert written
     with pytest.raises(DataError, match="does not match the checksum"):
         start(dataset, tmp_path / "cache")
+
+
+def test_a_rerun_with_other_options_keeps_the_finished_groups(tmp_path, capsys):
+    """Before: a re-run after a kill with one flag changed deleted every finished group (hours
+    of a large corpus) and said only 'it was made with other inputs or options'. Now it is
+    refused, naming the flag, and the groups stay; an added input file is named."""
+    corpus, output = tmp_path / "corpus", tmp_path / "out"
+    write_corpus(corpus, files=3)
+    staging = tmp_path / ".out.partial"
+    args = cli(corpus, output, "--workers", "1")[3:]
+    assert prepare_main([*args, "--num-parts", "2", "--part", "0"]) == 0  # a prepare half done
+    done = len(list(staging.glob("group-*/done.json")))
+    groups = len(json.loads((staging / "plan.json").read_text())["groups"])
+    assert 0 < done < groups
+    capsys.readouterr()
+
+    assert prepare_main([*args, "--num-shards", "2"]) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        f"error: {staging} holds a prepare made with --num-shards 4 ({done} of {groups} groups "
+        "done); re-run with the arguments it was made with to resume it, or delete that folder "
+        "to start over"
+    ]
+    assert len(list(staging.glob("group-*/done.json"))) == done
+
+    (corpus / "added.txt").write_text("one more document, added after the kill")
+    assert prepare_main(args) == 0
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith(
+        f"{staging} was made with other input files ({corpus / 'added.txt'} is new): keeping the "
+    )
+    splits = json.loads((output / "dataset.json").read_text())["splits"].values()
+    assert sum(split["documents"] for split in splits) == 3 * 20 + 4 + 1  # every document, once
+
+
+def test_ctrl_c_stops_every_process_with_one_line_and_keeps_the_finished_groups(
+    tmp_path, repo_root
+):
+    """Before: Ctrl-C (SIGINT to the terminal's process group) printed a KeyboardInterrupt
+    traceback from the parent and from every worker process. Now the workers ignore it, and
+    the parent says in one line what is kept and how to resume, exit 130."""
+    write_corpus(tmp_path / "corpus", files=8, per_file=40)
+    output, staging = tmp_path / "out", tmp_path / ".out.partial"
+    args = cli(tmp_path / "corpus", output, "--max-record-tokens", "4", "--workers", "2")
+    # a handled (not ignored) SIGINT here: the child starts with the default, as from a shell
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:  # its own process group, as a terminal's foreground job
+        proc = subprocess.Popen(
+            args, cwd=repo_root, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(staging.glob("group-*/done.json")):
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.splitlines()[-1] == (
+        f"interrupted: {output} was not written; the finished groups stay in {staging}: re-run "
+        "the same command to resume"
+    )
+    assert list(staging.glob("group-*/done.json")) and not output.exists()
+
+
+def record_written_groups(monkeypatch) -> list[int]:
+    """The indices of the groups an in-process (--workers 1) prepare writes, in order."""
+    import input_pipeline.staging
+
+    written, write = [], input_pipeline.staging.prepare_file_group
+
+    def recording(staging, index, *rest):
+        written.append(index)
+        return write(staging, index, *rest)
+
+    monkeypatch.setattr(input_pipeline.staging, "prepare_file_group", recording)
+    return written
+
+
+def test_a_fixed_input_file_redoes_only_the_groups_it_changed(tmp_path, capsys, monkeypatch):
+    """Before: a re-run after fixing one file (an error line named a bad line in it) deleted
+    every finished group, hours of a large corpus. The groups whose pieces and files are
+    unchanged are kept, only the others are written again, and the dataset is the one a fresh
+    prepare of the fixed corpus gives."""
+    corpus, output = tmp_path / "corpus", tmp_path / "out"
+    write_corpus(corpus)
+    staging = tmp_path / ".out.partial"
+    args = cli(corpus, output, "--workers", "1")[3:]
+    assert prepare_main([*args, "--num-parts", "2", "--part", "0"]) == 0  # the first half
+    done = sorted(int(p.parent.name.split("-")[1]) for p in staging.glob("group-*/done.json"))
+    groups = len(json.loads((staging / "plan.json").read_text())["groups"])
+    (corpus / "single-3.txt").write_text("the last file, fixed after the kill: " * 20)
+    capsys.readouterr()
+
+    written = record_written_groups(monkeypatch)
+    assert prepare_main(args) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"{staging} was made with other input files ({corpus / 'single-3.txt'} changed size): "
+        f"keeping the {len(done)} of {len(done)} finished groups whose input files are "
+        "unchanged, redoing the rest"
+    )
+    assert sorted(written) == [i for i in range(groups) if i not in done]
+    monkeypatch.undo()
+    assert prepare_main(cli(corpus, tmp_path / "fresh", "--workers", "1")[3:]) == 0
+    assert records_of(output) == records_of(tmp_path / "fresh")
+
+
+def test_the_old_last_group_is_written_again_when_a_file_is_added_after_it(
+    tmp_path, capsys, monkeypatch
+):
+    """The last group keeps its last training document aside as the corpus's fallback eval
+    document; kept as a middle group, the merge would drop that document. Unchanged but no
+    longer last, it is written again."""
+    corpus, output = tmp_path / "corpus", tmp_path / "out"
+    write_corpus(corpus, files=2)
+    (corpus / "single-3.txt").write_text("a last file larger than one group. " * 150)
+    args = cli(corpus, output, "--workers", "1", "--eval-fraction", "0.001")[3:]
+    assert prepare_main([*args, "--num-parts", "2", "--part", "1"]) == 0  # the half with the last
+    staging = tmp_path / ".out.partial"
+    last = len(json.loads((staging / "plan.json").read_text())["groups"]) - 1
+    assert "fallback" in json.loads((staging / f"group-{last:05d}" / "done.json").read_text())
+    (corpus / "single-4.txt").write_text("a file added after the last one")
+
+    written = record_written_groups(monkeypatch)
+    assert prepare_main(args) == 0
+    assert last in written and "keeping the" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert (
+        prepare_main(
+            cli(corpus, tmp_path / "fresh", "--workers", "1", "--eval-fraction", "0.001")[3:]
+        )
+        == 0
+    )
+    assert records_of(output) == records_of(tmp_path / "fresh")
