@@ -9,8 +9,9 @@
 #   gpu: the GPUs nvidia-smi lists, split evenly (CUDA_VISIBLE_DEVICES), e.g. one GPU each;
 #   cpu: LOCAL_CPU_DEVICES fake CPU devices split evenly (XLA_FLAGS), e.g. 2 x 4 for 8, and
 #        glibc's huge pages for large allocations (GLIBC_TUNABLES, unless already set).
-# The launcher waits for all of them. When one exits non-zero it stops the others (SIGTERM, then
-# SIGKILL after LOCAL_KILL_GRACE_S) and exits with that status; re-running the same command
+# The launcher waits for all of them. When one exits non-zero it names it (its process index,
+# and the signal that killed it), stops the others (SIGTERM, then SIGKILL after
+# LOCAL_KILL_GRACE_S), says what to do, and exits with that status; re-running the same command
 # resumes from the latest checkpoint. SIGTERM to the launcher goes to every process, and Ctrl-C
 # reaches them from the terminal: they agree on a step, save, and stop (before their first step,
 # each ends with one line, exit 130).
@@ -187,6 +188,32 @@ stop_killer() {
   fi
 }
 
+# describe_end PID STATUS: sets ended to which process ended and how, as its own lines name it
+# (process i). Builtins only, no subshell: a signal to the whole group could end one.
+describe_end() {
+  local i index=? signal
+  for i in "${!pids[@]}"; do [[ ${pids[i]} != "$1" ]] || index=$i; done
+  case $2 in
+    129) signal=HUP ;; 134) signal=ABRT ;; 135) signal=BUS ;;
+    137) signal=KILL ;; 139) signal=SEGV ;; 143) signal=TERM ;; *) signal="" ;;
+  esac
+  if [[ -n $signal ]]; then
+    ended="process $index (pid $1) was killed by SIG$signal (status $2)"
+  else
+    ended="process $index (pid $1) exited with status $2"
+  fi
+}
+
+# what_to_do STATUS: the launcher's last line after a failed run
+what_to_do() {
+  local resume="re-run the same command to resume from the latest checkpoint"
+  case $1 in
+    2) echo "local.sh: fix the error above (status 2: bad input), then $resume" >&2 ;;
+    3) echo "local.sh: a process was stuck (status 3: its stacks above); $resume" >&2 ;;
+    *) echo "local.sh: $resume (status $1)" >&2 ;;
+  esac
+}
+
 pids=()
 running=() # the processes not yet seen to end (signals go to those of them still running)
 trap 'signal_running TERM' TERM
@@ -224,7 +251,8 @@ while ((${#running[@]})); do
   running=("${still[@]}")
   if ((rc != 0 && status == 0)); then
     status=$rc
-    echo "local.sh: process $finished exited with status $rc; stopping the others" >&2
+    describe_end "$finished" "$rc"
+    echo "local.sh: $ended; stopping the others" >&2
     if ((${#running[@]})); then
       signal_running TERM
       start_killer
@@ -232,6 +260,7 @@ while ((${#running[@]})); do
   fi
 done
 stop_killer
+((status == 0)) || what_to_do "$status"
 # The port holder ends when its stdin closes: close it and wait, so that it does not outlive us.
 if [[ -n ${holder:-} ]]; then
   to_holder=${port_holder[1]:-}

@@ -41,21 +41,29 @@ def export_params(
 ) -> Path:
     """Read the run's own saved config and checkpoint; write host numpy params to `out` (or, with
     `format="hf"`, a Hugging Face Llama folder)."""
+    return export_step(workdir, out, step, format)[0]
+
+
+def export_step(
+    workdir: str | Path, out: str | Path, step: int | None = None, format: str = "orbax"
+) -> tuple[Path, int]:
+    """`export_params`, and the step it exported: the latest that restores when `step` is None
+    (a damaged newer one is skipped, with a warning)."""
     out = Path(out).absolute()
     _check_writable(out)
-    config, params = Checkpointer.restore_past_run(
+    config, params, exported = Checkpointer.restore_past_run(
         workdir,
         step,
         functools.partial(_restore_params, format=format),
         advice="repair it, or export another --step",
     )
     if format == "hf":
-        return write_hf_folder(out, params, config, model_spec(config.model.kind).hf)
+        return write_hf_folder(out, params, config, model_spec(config.model.kind).hf), exported
     host_params = jax.tree.map(np.asarray, params)
     checkpointer_out = ocp.StandardCheckpointer()
     checkpointer_out.save(out, host_params)
     checkpointer_out.wait_until_finished()
-    return out
+    return out, exported
 
 
 def _check_writable(out: Path) -> None:
@@ -72,9 +80,9 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple[Config, Any]:
-    """The config saved with `step`, and its parameters laid out on this machine's devices; a
-    kind that `format` cannot write is refused before any weight is read."""
+def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple[Config, Any, int]:
+    """The config saved with `step`, its parameters laid out on this machine's devices, and
+    `step`; a kind that `format` cannot write is refused before any weight is read."""
     saved = checkpointer.run_config(step)
     if format == "hf" and model_spec(saved.model.kind).hf is None:
         raise TrainingError(
@@ -83,7 +91,7 @@ def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple
         )
     config = saved.derive({"mesh.stage": 1, "mesh.data": -1, "mesh.fsdp": 1, "mesh.tensor": 1})
     _, target = abstract_params(config, sharding.make_mesh(config.mesh))
-    return saved, checkpointer.restore_params(step, target)
+    return saved, checkpointer.restore_params(step, target), step
 
 
 def write_hf_folder(out: Path, params: Any, config: Config, adapter: HfAdapter) -> Path:
@@ -123,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        out = export_params(args.workdir, args.out, args.step, args.format)
+        out, step = export_step(args.workdir, args.out, args.step, args.format)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported parameters to {out}", file=sys.stderr)
+    kind = "a Hugging Face folder" if args.format == "hf" else "Orbax parameters"
+    print(f"exported step {step} of {args.workdir} to {out} ({kind})", file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
+PEER_LOST_EXIT = 1  # not this process's fault, nor bad input: the run failed
 INTERRUPTED = (
     "interrupted without saving; re-run the same command to resume from the latest checkpoint"
 )
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None, *, ends_process: bool = False) -> int:
         print(f"error: {err}", file=sys.stderr)
         return end_alone_if_joined(USAGE_EXIT)
     except RuntimeError as err:  # jax.errors.JaxRuntimeError, without importing jax here
+        if lost_a_peer(err):
+            print(f"error: {peer_lost(err)}", file=sys.stderr)
+            return end_alone_if_joined(PEER_LOST_EXIT)
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         print(f"error: {out_of_memory(err)}", file=sys.stderr)
@@ -119,6 +123,26 @@ def finished(result: RunResult, steps: int) -> tuple[str, bool]:
         if result.eval_step is not None and result.eval_step != result.step:
             summary += f" (at step {result.eval_step})"
     return summary, stopped
+
+
+def lost_a_peer(err: RuntimeError) -> bool:
+    """Whether `err` is a collective or a barrier failing because another process is gone (killed,
+    its host lost): no bug of this process, whose traceback only buried the first one's line."""
+    text = str(err)
+    # Gloo's collectives (CPU) read a connection the peer closed ("Connection reset by peer",
+    # "Connection closed by peer"); the coordination service misses the peer's heartbeats. (A
+    # reset connection alone could be storage's, which is no peer.)
+    return ("Gloo" in text and "by peer" in text) or "heartbeat timeout" in text
+
+
+def peer_lost(err: RuntimeError) -> str:
+    """The line of a process whose peer is gone: JAX's error, and where the cause is said."""
+    first = str(err).strip().splitlines()[0]
+    return (
+        f"another process of this run is gone ({first[:200]}); the first to fail says why in its "
+        "own log (or was killed: the launcher names it); re-run the same command to resume from "
+        "the latest checkpoint"
+    )
 
 
 def end_alone_if_joined(status: int) -> int:

@@ -9,6 +9,8 @@ layout, so a host only ever reads its own shards; export writes host copies to s
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,15 +223,31 @@ def save_hf_weights(params: Any, out: Path, max_shard_bytes: int = MAX_SHARD_BYT
             size = 0
         shards[-1][name] = array
         size += array.nbytes
+    mode = _new_file_mode(out)
     if len(shards) == 1:
         save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(out / "model.safetensors", mode)
         return ["model.safetensors"]
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(files, shards, strict=True):
         save_file(shard, str(out / file), metadata={"format": "pt"})
+        os.chmod(out / file, mode)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(a.nbytes for shard in shards for a in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
     return files
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The mode a file created in `folder` gets (the umask, a default ACL): safetensors writes
+    its files owner-only, which left the weights of an export to a shared folder unreadable to
+    the others who read its config.json and tokenizer."""
+    probe = folder / f".mode-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        probe.unlink()

@@ -45,7 +45,15 @@ from trainer.plan.gpu import (
     gpu_devices,
     traced_for,
 )
-from trainer.plan.report import CPU, Footprint, format_bytes, parse_size, report, verdict
+from trainer.plan.report import (
+    CPU,
+    Footprint,
+    format_bytes,
+    parse_size,
+    report,
+    suggestion,
+    verdict,
+)
 from trainer.plan.vocab import missing_dataset_note, planned_vocab
 from trainer.program import build_program
 
@@ -294,11 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     search = Search(target, rates, args.one_document_per_row, args.max_tries)
     extra, best = suggest(args.config, args.overrides, devices, budget, base, search)
-    change = f"{' '.join(extra) or 'none'} (total {format_bytes(best.total)} per device)"
-    if best.total <= budget:
-        print(f"suggested: {change}")
-    else:
-        print(f"no change tried fits; the smallest: {change}")
+    print(suggestion(extra, best.total, budget))
     return 1
 
 

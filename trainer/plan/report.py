@@ -90,9 +90,23 @@ def verdict(total: int, budget: int) -> str:
     """The fit line: it flips from yes to no where the budget drops below the total."""
     answer = "yes" if total <= budget else "no"
     line = f"fits in {format_bytes(budget)} per device: {answer} ({total / budget:.1%} of it)"
-    if 0.75 < total / budget <= 1:  # JAX preallocates 75% of a GPU and allocates from that
-        line += "; over the 75% JAX takes by default: raise XLA_PYTHON_CLIENT_MEM_FRACTION"
-    return line
+    return line + preallocation_note(total, budget)
+
+
+def preallocation_note(total: int, budget: int) -> str:
+    """What a total that fits needs beyond it when it is over the 75% of a GPU that JAX
+    preallocates and allocates from ("" otherwise): the run would run out of memory without it."""
+    if 0.75 < total / budget <= 1:
+        return "; over the 75% JAX takes by default: raise XLA_PYTHON_CLIENT_MEM_FRACTION"
+    return ""
+
+
+def suggestion(change: list[str], total: int, budget: int) -> str:
+    """The plan's last line: the change found, its total, and whether it fits `budget`."""
+    described = f"{' '.join(change) or 'none'} (total {format_bytes(total)} per device)"
+    if total <= budget:
+        return f"suggested: {described}{preallocation_note(total, budget)}"
+    return f"no change tried fits; the smallest: {described}"
 
 
 def report(name: str, fp: Footprint, config: Config) -> list[str]:
