@@ -265,7 +265,11 @@ def _call_loss(
     examples) and its other aux scalars. Its result is checked at trace time, where a wrong one
     would otherwise end in a JAX error from inside the backward pass, or (an integer loss) in
     zero gradients."""
-    result = loss_fn(model, batch)
+    try:
+        result = loss_fn(model, batch)
+    except KeyError as err:
+        _check_key_in_batch(err, batch)
+        raise
     if not isinstance(result, tuple | list) or len(result) != 2:
         several = isinstance(result, tuple | list)
         got = f"{len(result)} values" if several else f"a single value ({_describe(result)})"
@@ -293,6 +297,29 @@ def _call_loss(
             "number of examples or tokens the loss is a mean over"
         )
     return loss, jnp.asarray(aux["weight"], jnp.float32), metrics
+
+
+def _check_key_in_batch(err: KeyError, batch: Batch) -> None:
+    """A KeyError naming a key the batch lacks: the data's mistake (or the loss's), said in one
+    line with the keys it has, not a traceback from inside the backward pass."""
+    key = err.args[0] if len(err.args) == 1 else None
+    missing = isinstance(key, str) and isinstance(batch, Mapping) and key not in batch
+    if missing and _raised_beside(err, batch):
+        raise DataError(
+            f"loss_fn raised KeyError({key!r}), a key the batch lacks: it has {sorted(batch)}; "
+            f"yield batches with {key!r}, or read the key the data has"
+        ) from None
+
+
+def _raised_beside(err: BaseException, batch: Batch) -> bool:
+    """Whether the innermost frame of `err` holds the batch: the lookup that failed was most
+    likely on it (a KeyError of a model's own dict, deeper down, is not the data's)."""
+    trace = err.__traceback__
+    if trace is None:
+        return False
+    while trace.tb_next is not None:
+        trace = trace.tb_next
+    return any(value is batch for value in trace.tb_frame.f_locals.values())
 
 
 def _aux_metric(name: Any, value: Any) -> jax.Array:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from input_pipeline import checkpointing as data_checkpointing
@@ -102,6 +103,8 @@ def run(
         announce(
             writer, config, program, pipeline, sources, spec, checkpointer, start_step, resumed_meta
         )
+        if line := eval_mode_warning(model):
+            writer.message(line)
         try:
             with (
                 Loop(
@@ -285,6 +288,34 @@ def announce(
         writer.message(line)
     if sources.make_eval is None:
         writer.message(sources.without_evals)
+
+
+def eval_mode_warning(model: Any) -> str | None:
+    """The line for a built module handed over in eval mode (`model.eval()`, e.g. left from a
+    check of its outputs): it would train with its dropout off and its BatchNorm statistics
+    frozen, all run long, without a word. None for a factory, or a module in train mode."""
+    if not isinstance(model, nnx.Module):
+        return None
+    frozen = [
+        "/".join(map(str, path))
+        for path, module in nnx.iter_graph(model)
+        if isinstance(module, nnx.Module) and path and _in_eval_mode(module)
+    ]
+    if not frozen:
+        return None
+    more = f" and {len(frozen) - 3} more" if len(frozen) > 3 else ""
+    return (
+        f"warning: the model passed to trainer.run is in eval mode ({', '.join(frozen[:3])}{more}"
+        "): it trains with dropout off and BatchNorm statistics frozen; call model.train() "
+        "before trainer.run, unless that is what you mean"
+    )
+
+
+def _in_eval_mode(module: nnx.Module) -> bool:
+    """A dropout that drops nothing, or a BatchNorm that no longer updates its statistics."""
+    if getattr(module, "use_running_average", None) is True:
+        return True
+    return getattr(module, "deterministic", None) is True and bool(getattr(module, "rate", 0))
 
 
 def run_metadata(
