@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import sys  # noqa: E402
 import sysconfig  # noqa: E402
+from collections import Counter  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -58,15 +59,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 def slow_first(items: list) -> None:
-    """The modules with slow tests first, each kept whole (its module fixtures set up once), in
-    their usual order otherwise (the sort is stable): xdist's workers then end on short tests, not
-    one on a long real-process test while the other waits."""
+    """Two halves of about as many tests, each its modules with slow tests first, every module
+    kept whole (its module fixtures set up once), in their usual order otherwise: xdist's
+    `worksteal` (pyproject.toml) gives each worker one half and lets an idle one take the end of
+    the other's, so both start on the long real-process tests and end on short ones, not one on a
+    long test while the other waits."""
 
     def module(item) -> str:
         return item.nodeid.split("::")[0]
 
+    sizes = Counter(module(item) for item in items)
     slow_modules = {module(item) for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: module(item) not in slow_modules)
+    in_order = sorted(sizes, key=lambda name: name not in slow_modules)  # stable: usual order
+    halves: tuple[list[str], list[str]] = ([], [])
+    counts = [0, 0]
+    for name in in_order:
+        half = 0 if counts[0] <= counts[1] else 1
+        halves[half].append(name)
+        counts[half] += sizes[name]
+    rank = {name: i for i, name in enumerate(halves[0] + halves[1])}
+    items.sort(key=lambda item: rank[module(item)])
 
 
 @pytest.fixture(scope="session")

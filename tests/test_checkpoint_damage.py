@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import TINY, error_lines_of_a_user_error, preloadable_library
+from conftest import SHARED_SCHEDULE, TINY, error_lines_of_a_user_error, preloadable_library
 
 from trainer.config import load_config
 from trainer.errors import ConfigError, TrainingError
@@ -34,6 +34,7 @@ STEPS = 6
 ARGS = [
     *TINY,
     f"run.steps={STEPS}",
+    SHARED_SCHEDULE,
     "checkpoint.every=2",  # checkpoints 2, 4, 6
     "checkpoint.keep=10",
     "eval.every=100",

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY, tiny_in_process, tiny_run
+from conftest import SHARED_SCHEDULE, TINY, tiny_in_process, tiny_run
 
 from trainer.checkpoint import Checkpointer
 from trainer.errors import TrainingError
@@ -40,10 +40,11 @@ def small_disk(tmp_path):
 
 
 def train_args(corpus, steps: int) -> list[str]:
-    """The tiny model on `corpus` for `steps`, a checkpoint every 2 steps."""
+    """The tiny model on `corpus` for `steps`, a checkpoint every 2 steps, the
+    `SHARED_SCHEDULE`."""
     return (
         [o for o in TINY if not o.startswith("log.")]
-        + [f"data.path={corpus}", f"run.steps={steps}"]
+        + [f"data.path={corpus}", f"run.steps={steps}", SHARED_SCHEDULE]
         + ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false"]
     )
 

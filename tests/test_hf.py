@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
@@ -306,6 +306,7 @@ def hf_run(tmp_path_factory):
         f"run.workdir={root / 'work'}",
         f"checkpoint.init_from=hf:{UNTIED}",
         "checkpoint.every=2",
+        SHARED_SCHEDULE,  # its resume to step 6 compiles nothing new
         "eval.every=100",
         "eval.sample_prompts=['def ']",
         "eval.sample_tokens=4",

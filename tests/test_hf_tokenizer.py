@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 
 from input_pipeline.tokenizers import (
     ByteTokenizer,
@@ -189,7 +189,7 @@ def test_an_export_gives_transformers_the_training_datas_ids(kind, tmp_path):
     texts = [f.read_text(errors="replace")[:4000] for f in sorted(stdlib.glob("*.py"))[:12]]
     data = prepare_dataset(texts, tmp_path / "data", tokenizer=choice, progress=False)
     overrides = [*TINY, f"data.path={data}", f"run.workdir={tmp_path / 'work'}", "eval.every=100"]
-    run(load_config(None, [*overrides, "run.steps=1"]))
+    run(load_config(None, [*overrides, "run.steps=1", SHARED_SCHEDULE]))
     out = export_params(tmp_path / "work", tmp_path / "hf", format="hf")
 
     expected = EXPECTED["kinds"][kind]

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY, same, take, tiny_cli, tiny_in_process
+from conftest import SHARED_SCHEDULE, TINY, same, take, tiny_cli, tiny_in_process
 from test_checkpoint import tfrecord_corpus  # noqa: F401 (a fixture)
 from test_mixture import mixture, prose  # noqa: F401 (prose: a fixture)
 
@@ -33,7 +33,9 @@ from trainer.config import load_config
 from trainer.data import dataset_sources
 from trainer.train import run
 
+# SHARED_SCHEDULE: every session, whatever its run.steps, shares a compiled step with the others
 SESSION = ["checkpoint.every=2", "eval.every=100", "log.tensorboard=false", "log.every=1"]
+SESSION += [SHARED_SCHEDULE]
 
 
 def config(workdir, steps, *settings):

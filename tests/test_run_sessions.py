@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 
 from trainer.config import load_config
 from trainer.observe.metrics import read_metrics
@@ -47,7 +47,7 @@ def train_only_corpus(tmp_path_factory) -> Path:
 def test_a_dataset_without_an_eval_split_trains_without_evals(train_only_corpus, tmp_path, capfd):
     workdir = tmp_path / "run"
     args = [f"data.path={train_only_corpus}", f"run.workdir={workdir}", "log.tensorboard=false"]
-    args += ["run.steps=4", "checkpoint.every=2", "eval.every=2"]
+    args += ["run.steps=4", SHARED_SCHEDULE, "checkpoint.every=2", "eval.every=2"]
     result = run(load_config(None, [*TINY, *args]))
     err = capfd.readouterr().err
     assert [line for line in err.splitlines() if "without evals" in line] == [
@@ -67,7 +67,7 @@ def test_running_a_finished_run_again_keeps_its_summary(corpus, tmp_path, capfd)
     of a finished job is a no-op, as in torchtitan and MaxText."""
     workdir = tmp_path / "run"
     args = [*TINY, f"data.path={corpus}", f"run.workdir={workdir}", "log.tensorboard=false"]
-    args += ["run.steps=3", "checkpoint.every=3", "eval.every=3"]
+    args += ["run.steps=3", SHARED_SCHEDULE, "checkpoint.every=3", "eval.every=3"]
     run(load_config(None, args))
     summary = (workdir / "summary.json").read_text()
     assert json.loads(summary)["steps"] == 3 and json.loads(summary)["eval_loss"] is not None
@@ -86,6 +86,7 @@ def test_resuming_on_other_data_says_so(corpus, train_only_corpus, tmp_path, cap
     carry the saved read position over without a word."""
     workdir = tmp_path / "run"
     args = [*TINY, f"run.workdir={workdir}", "log.tensorboard=false", "checkpoint.every=2"]
+    args += [SHARED_SCHEDULE]  # the three sessions share one compiled step
     run(load_config(None, [*args, f"data.path={corpus}", "run.steps=2"]))
     run(load_config(None, [*args, f"data.path={corpus}", "run.steps=3"]))
     assert "trained on other data" not in capfd.readouterr().err

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 
 STARTUP_LINE = "stopped by SIGTERM during start-up, before this session's first step"
 
@@ -19,7 +19,7 @@ def test_sigterm_during_startup_is_one_line_and_the_rerun_starts(tmp_path, repo_
     cache = tmp_path / "cache"
     workdir = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.main", "--config", "configs/tiny.yaml", *TINY]
-    cmd += ["data.path=python-docstrings", "run.steps=1", "eval.every=100"]
+    cmd += ["data.path=python-docstrings", "run.steps=1", SHARED_SCHEDULE, "eval.every=100"]
     cmd += ["log.tensorboard=false", f"run.workdir={workdir}"]
     env = {**os.environ, "ACCEL_TRAINER_CACHE": str(cache)}
     proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stderr=subprocess.PIPE, text=True)

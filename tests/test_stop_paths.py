@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 
 from trainer.config import load_config
 from trainer.main import main
@@ -172,7 +172,7 @@ def test_ctrl_c_after_the_stops_save_says_the_checkpoint_is_complete(
     monkeypatch.setattr(trainer.loop, "format_summary", ctrl_c_again)
     workdir = tmp_path / "run"
     args = ["--config", str(repo_root / "configs/tiny.yaml"), *TINY, f"data.path={corpus}"]
-    args += ["run.steps=4", "log.tensorboard=false", f"run.workdir={workdir}"]
+    args += ["run.steps=4", SHARED_SCHEDULE, "log.tensorboard=false", f"run.workdir={workdir}"]
     assert main(args) == 0
     err = capfd.readouterr().err
     assert saved_steps(workdir) == [1]
@@ -239,7 +239,7 @@ sys.exit(main(sys.argv[1:]))
 
 def twice_run(repo_root, corpus, workdir, steps: int, **env: str) -> subprocess.Popen:
     args = ["--config", "configs/tiny.yaml", *TINY, f"data.path={corpus}", f"run.steps={steps}"]
-    args += ["checkpoint.every=1000", "eval.every=1000", "log.tensorboard=false"]
+    args += [SHARED_SCHEDULE, "checkpoint.every=1000", "eval.every=1000", "log.tensorboard=false"]
     return subprocess.Popen(
         [sys.executable, "-c", TWICE_RUN, *args, f"run.workdir={workdir}"],
         cwd=repo_root,

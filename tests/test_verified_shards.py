@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY
+from conftest import SHARED_SCHEDULE, TINY
 
 import input_pipeline.dataset_info as dataset_info
 from input_pipeline.dataset_info import load_dataset_info
@@ -302,6 +302,7 @@ def test_the_first_training_after_prepare_reads_no_shard_prepare_hashed(
             f"data.cache_dir={tmp_path / 'cache'}",
             f"run.workdir={tmp_path / 'run'}",
             "run.steps=2",
+            SHARED_SCHEDULE,
             "checkpoint.every=100",
             "eval.every=100",
         ],

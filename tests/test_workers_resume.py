@@ -14,7 +14,7 @@ import copy
 import subprocess
 
 import pytest
-from conftest import same, take, tiny_cli, tiny_in_process
+from conftest import SHARED_SCHEDULE, same, take, tiny_cli, tiny_in_process
 
 from input_pipeline.dataset_info import load_dataset_info
 from input_pipeline.errors import DataError
@@ -118,6 +118,7 @@ def test_a_refused_mixture_position_leaves_the_mixture_as_it_was(corpus):
 def test_the_trainer_refuses_with_exit_2_and_keeps_the_checkpoint(corpus, tmp_path, repo_root):
     workdir = tmp_path / "run"
     args = [f"data.path={corpus}", "checkpoint.every=2", "eval.every=100", "log.tensorboard=false"]
+    args += [SHARED_SCHEDULE]
     tiny_in_process([*args, "run.steps=2"], workdir)  # the checkpoint; it ends without an error
     config = (workdir / "config.yaml").read_text()
     resumed = subprocess.run(
