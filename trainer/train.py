@@ -113,7 +113,7 @@ def run(
                     program,
                     checkpointer,
                     writer,
-                    run_metadata(config, sources, vocab_size, state.params),
+                    run_metadata(config, sources, vocab_size, state),
                     flops_per_token=spec.flops_per_token(config, program.num_params, vocab_size),
                     peak_tflops=device_peak_tflops(config.log.peak_tflops),
                     goodput=goodput,
@@ -319,14 +319,15 @@ def _in_eval_mode(module: nnx.Module) -> bool:
 
 
 def run_metadata(
-    config: Config, sources: DataSources, vocab_size: int, params: Any
+    config: Config, sources: DataSources, vocab_size: int, state: TrainState
 ) -> dict[str, Any]:
     """What every checkpoint records beside the state: how to rebuild and check the run."""
     return {
         "config": config.to_dict(),
         "dataset_fingerprint": sources.fingerprint,
         "vocab_size": vocab_size or None,  # None: a caller's model without model.vocab_size
-        "param_shapes": param_shapes(params),
+        "param_shapes": param_shapes(state.params),
+        "model_state_shapes": param_shapes(state.model_state),  # what init_from can carry
     }
 
 
@@ -400,10 +401,12 @@ def resumes_position(iterator: Any) -> bool:
 
 
 def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
-    """A fresh state whose parameters come from another run's latest checkpoint (fine-tuning):
-    optimizer state, step and data position start anew. `hf:PATH`: a Hugging Face folder, read
-    by the model's adapter."""
-    target = program.abstract_state().params
+    """A fresh state whose parameters, and the floating-point model state the two models share
+    (BatchNorm statistics), come from another run's latest checkpoint (fine-tuning): optimizer
+    state, random streams, step and data position start anew. `hf:PATH`: a Hugging Face folder,
+    read by the model's adapter."""
+    abstract = program.abstract_state()
+    target = abstract.params
     if (folder := hf_folder(path)) is not None:
         if spec.hf is None:
             raise ConfigError(
@@ -417,13 +420,26 @@ def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
         path, fix="point checkpoint.init_from at the run.workdir of a past run"
     )
     try:
-        _, params = source.restore_newest(
-            lambda step: source.restore_params(step, target, INIT_FROM_ANOTHER_MODEL),
+        _, (params, model_state) = source.restore_newest(
+            lambda step: (
+                source.restore_params(step, target, INIT_FROM_ANOTHER_MODEL),
+                source.restore_model_state(step, abstract.model_state),
+            ),
             advice="repair them, or point checkpoint.init_from at another run",
         )
     finally:
         source.close()
-    return program.init().replace(params=params)
+    fresh = program.init()
+    return fresh.replace(params=params, model_state=overlaid(fresh.model_state, model_state))
+
+
+def overlaid(tree: Any, part: Any) -> Any:
+    """`tree` (nested dicts) with the leaves `part`, a subtree of it, holds in their place."""
+    if part is None:
+        return tree
+    if not isinstance(tree, dict):
+        return part
+    return {key: overlaid(value, part.get(key)) for key, value in tree.items()}
 
 
 def hf_params_on_every_process(

@@ -140,6 +140,36 @@ class StepReader:
         restored = self._read_items(step, params=ocp.args.StandardRestore(target_params))
         return restored.params
 
+    def restore_model_state(self, step: int, target_model_state: Any) -> Any | None:
+        """The floating-point non-parameter state of `step` (BatchNorm statistics, a module's
+        buffers) that `target_model_state` shares with it, path and shape alike, as a subtree of
+        it: what `checkpoint.init_from` carries beside the parameters. Random streams and counters
+        are left out (a new run draws its own); None where nothing is shared, or the checkpoint
+        predates `model_state_shapes` in its metadata."""
+        saved = self.read_meta(step).get("model_state_shapes")
+        if not isinstance(saved, dict):
+            return None
+        flat = jax.tree_util.tree_flatten_with_path(target_model_state)[0]
+        shared = {
+            jax.tree_util.keystr(path)
+            for path, leaf in flat
+            if jax.dtypes.issubdtype(leaf.dtype, np.floating)
+            and saved.get(jax.tree_util.keystr(path)) == list(leaf.shape)
+        }
+        subset = subtree(target_model_state, shared)
+        if subset is None:
+            return None
+        item = {"model_state": subset}
+        restored = self._read_items(
+            step,
+            train=ocp.args.PyTreeRestore(
+                item,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True,
+            ),
+        )
+        return restored.train["model_state"]
+
     def _layout_changed(
         self, step: int, saved: dict[str, Any], run_config: dict[str, Any] | None
     ) -> str:
@@ -195,3 +225,16 @@ def worst_on_any_process(outcome: int) -> int:
     same checkpoint, and all stop when one must."""
     everyone, _ = gather_rows(np.array(outcome, np.int32))
     return int(np.max(everyone))
+
+
+def subtree(tree: Any, keep: set[str], path: tuple = ()) -> Any:
+    """The nested dicts of `tree` down to the leaves whose `keystr` path is in `keep`; None
+    where none is."""
+    if isinstance(tree, dict):
+        kept = {}
+        for key, value in tree.items():
+            sub = subtree(value, keep, (*path, jax.tree_util.DictKey(key)))
+            if sub is not None:
+                kept[key] = sub
+        return kept or None
+    return tree if jax.tree_util.keystr(path) in keep else None
