@@ -26,6 +26,26 @@ def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def stretched_schedule_warning(
+    config: OptimConfig, steps_then: int, steps_now: int, step: int
+) -> str | None:
+    """The line for a resume whose new `run.steps` moves the schedule under it (its decay spans
+    `run.steps` while `decay_steps` is unset), so the learning rate jumps at `step`; None when it
+    does not move."""
+    if config.decay_steps is not None or steps_then == steps_now:
+        return None
+    then = float(make_schedule(config, steps_then)(step))
+    now = float(make_schedule(config, steps_now)(step))
+    if abs(now - then) <= 1e-6 * max(abs(then), abs(now)):
+        return None
+    return (
+        f"warning: run.steps {steps_then} -> {steps_now} with optim.decay_steps unset stretches "
+        f"the {config.schedule} schedule over {steps_now} steps: the learning rate at step {step} "
+        f"is {now:.3g} where the saved run's schedule gave {then:.3g}; set "
+        f"optim.decay_steps={steps_then} to keep that schedule"
+    )
+
+
 def decay_mask(logical_specs) -> object:
     """Weight decay on matrices only: norm scales and biases (one non-layer axis) are exempt."""
 

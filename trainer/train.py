@@ -39,6 +39,7 @@ from trainer.models.spec import ModelSpec
 from trainer.observe.flops import device_peak_tflops
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
+from trainer.optimizer import stretched_schedule_warning
 from trainer.parallel import sharding
 from trainer.parallel.agreement import (
     check_same_config,
@@ -263,6 +264,8 @@ def announce(
                 "top, use a new run.workdir with checkpoint.init_from="
                 f"{Path(config.run.workdir)}"
             )
+        if line := schedule_change(config, resumed_meta, start_step):
+            writer.message(line)
         if not resumes_position(sources.train):
             writer.message(
                 "warning: the training data has no get_state/set_state, so it starts again from "
@@ -288,6 +291,19 @@ def announce(
         writer.message(line)
     if sources.make_eval is None:
         writer.message(sources.without_evals)
+
+
+def schedule_change(config: Config, resumed_meta: dict[str, Any], step: int) -> str | None:
+    """`stretched_schedule_warning` for a resume whose checkpoint saved a run of another
+    `run.steps` without `optim.decay_steps`; None when the saved config does not say."""
+    saved = resumed_meta.get("config")
+    run, optim = (saved.get("run"), saved.get("optim")) if isinstance(saved, dict) else (None, None)
+    if not (isinstance(run, dict) and isinstance(optim, dict)) or optim.get("decay_steps"):
+        return None
+    steps_then = run.get("steps")
+    if not isinstance(steps_then, int) or steps_then < 1:
+        return None
+    return stretched_schedule_warning(config.optim, steps_then, config.run.steps, step)
 
 
 def eval_mode_warning(model: Any) -> str | None:
