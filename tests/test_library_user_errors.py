@@ -1,5 +1,5 @@
 """Library use, a caller's data mistakes: batches that are not dicts, and a loss that reads a key
-the batches lack, each one line naming the fix (`trainer.data.BatchDicts`,
+the batches lack, each one line naming the fix (`trainer.caller_batches.BatchDicts`,
 `trainer.step._check_key_in_batch`)."""
 
 import json
