@@ -51,7 +51,7 @@ def export_step(
     (a damaged newer one is skipped, with a warning)."""
     out = Path(out).absolute()
     _check_writable(out)
-    config, params, exported = Checkpointer.restore_past_run(
+    exported, (config, params) = Checkpointer.restore_past_run(
         workdir,
         step,
         functools.partial(_restore_params, format=format),
@@ -80,9 +80,9 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple[Config, Any, int]:
-    """The config saved with `step`, its parameters laid out on this machine's devices, and
-    `step`; a kind that `format` cannot write is refused before any weight is read."""
+def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple[Config, Any]:
+    """The config saved with `step`, and its parameters laid out on this machine's devices; a
+    kind that `format` cannot write is refused before any weight is read."""
     saved = checkpointer.run_config(step)
     if format == "hf" and model_spec(saved.model.kind).hf is None:
         raise TrainingError(
@@ -91,7 +91,7 @@ def _restore_params(checkpointer: Checkpointer, step: int, format: str) -> tuple
         )
     config = saved.derive({"mesh.stage": 1, "mesh.data": -1, "mesh.fsdp": 1, "mesh.tensor": 1})
     _, target = abstract_params(config, sharding.make_mesh(config.mesh))
-    return saved, checkpointer.restore_params(step, target), step
+    return saved, checkpointer.restore_params(step, target)
 
 
 def write_hf_folder(out: Path, params: Any, config: Config, adapter: HfAdapter) -> Path:

@@ -276,7 +276,7 @@ def _load_workdir(workdir: str, step: int | None, compute: str | None, devices) 
         read = functools.partial(checkpointer.restore_params, step)
         return config, _load_model(config, compute, devices, read)
 
-    config, generator = Checkpointer.restore_past_run(
+    _, (config, generator) = Checkpointer.restore_past_run(
         workdir, step, restore, advice="repair it, or generate from another --step"
     )
     tokenizer = run_tokenizer(config.data)

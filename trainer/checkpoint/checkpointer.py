@@ -244,17 +244,17 @@ class Checkpointer(StepReader):
         step: int | None,
         restore: Callable[[Checkpointer, int], T],
         advice: str,
-    ) -> T:
-        """`restore(checkpointer, step)` of a past run's step asked for by number, or (None) of
-        its newest that restores, damaged ones named and skipped; the checkpoints are closed
-        after: what export and generate read."""
+    ) -> tuple[int, T]:
+        """`(step, restore(checkpointer, step))` of a past run's step asked for by number, or
+        (None) of its newest that restores, damaged ones named and skipped; the checkpoints are
+        closed after: what export and generate read."""
         checkpointer, _ = cls.open_existing(workdir)
         try:
             if step is not None:
                 checkpointer._stop_unless_listed(step)
             chosen = None if step is None else [step]
             read = functools.partial(restore, checkpointer)
-            return checkpointer.restore_newest(read, chosen, advice)[1]
+            return checkpointer.restore_newest(read, chosen, advice)
         finally:
             checkpointer.close()
 
