@@ -435,13 +435,15 @@ def init_from(path: str, program: TrainProgram, spec: ModelSpec) -> TrainState:
     source, _ = Checkpointer.open_existing(
         path, fix="point checkpoint.init_from at the run.workdir of a past run"
     )
+
+    def weights(step: int) -> tuple[Any, Any]:
+        meta = source.read_meta(step)  # once: each read of it is an agreement of every process
+        params = source.restore_params(step, target, INIT_FROM_ANOTHER_MODEL, meta)
+        return params, source.restore_model_state(step, abstract.model_state, meta)
+
     try:
         _, (params, model_state) = source.restore_newest(
-            lambda step: (
-                source.restore_params(step, target, INIT_FROM_ANOTHER_MODEL),
-                source.restore_model_state(step, abstract.model_state),
-            ),
-            advice="repair them, or point checkpoint.init_from at another run",
+            weights, advice="repair them, or point checkpoint.init_from at another run"
         )
     finally:
         source.close()

@@ -133,20 +133,28 @@ class StepReader:
         )
         return state, data_state, meta
 
-    def restore_params(self, step: int, target_params: Any, fix: str = RESUME_ANOTHER_MODEL) -> Any:
+    def restore_params(
+        self,
+        step: int,
+        target_params: Any,
+        fix: str = RESUME_ANOTHER_MODEL,
+        meta: dict[str, Any] | None = None,
+    ) -> Any:
         """Parameters only (fine-tuning from another run, export); `fix` ends the line that
-        refuses another model's checkpoint."""
-        self._check_shapes(step, target_params, fix)
+        refuses another model's checkpoint; `meta`: the step's metadata, if read already."""
+        self._check_shapes(step, target_params, fix, meta)
         restored = self._read_items(step, params=ocp.args.StandardRestore(target_params))
         return restored.params
 
-    def restore_model_state(self, step: int, target_model_state: Any) -> Any | None:
+    def restore_model_state(
+        self, step: int, target_model_state: Any, meta: dict[str, Any] | None = None
+    ) -> Any | None:
         """The floating-point non-parameter state of `step` (BatchNorm statistics, a module's
         buffers) that `target_model_state` shares with it, path and shape alike, as a subtree of
         it: what `checkpoint.init_from` carries beside the parameters. Random streams and counters
         are left out (a new run draws its own); None where nothing is shared, or the checkpoint
-        predates `model_state_shapes` in its metadata."""
-        saved = self.read_meta(step).get("model_state_shapes")
+        predates `model_state_shapes` in its metadata (`meta`, if read already)."""
+        saved = (meta or self.read_meta(step)).get("model_state_shapes")
         if not isinstance(saved, dict):
             return None
         flat = jax.tree_util.tree_flatten_with_path(target_model_state)[0]
