@@ -99,6 +99,7 @@ def prepare_dataset(
     `tokenizer` takes the `--tokenizer` values of the module docstring. A `None` document is
     skipped and counted, as a null text is by the CLI, and said on stderr."""
     output = Path(output_dir)
+    check_output_name(output)
     _check_options(output, overwrite, format, eval_fraction, max_record_tokens)
     _check_tokenizer_options(tokenizer, vocab_size, sample_sentences)
     # a name no other preparer uses: one by pid is the same for two hosts' processes of equal
@@ -226,7 +227,6 @@ def prepare_files(
 def _check_options(
     output: Path, overwrite: bool, format: str, eval_fraction: float, max_record_tokens: int
 ) -> None:
-    check_output_name(output)
     if (output / INFO_FILE).exists() and not overwrite:
         raise DataError(f"{output} already holds a dataset; pass --overwrite to replace it")
     check_output_folder(output)
